@@ -1,0 +1,7 @@
+"""The configurable GPT: pure ``nn.Module``s (no Lightning, Hydra, W&B or torch.distributed)."""
+
+from stabilize.model.config import PRESETS, GPTConfig
+from stabilize.model.gpt import GPT
+from stabilize.model.layers import MLP, Block, CausalSelfAttention
+
+__all__ = ["GPT", "GPTConfig", "PRESETS", "Block", "CausalSelfAttention", "MLP"]

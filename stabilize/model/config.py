@@ -1,0 +1,79 @@
+"""GPT configuration and the named sizes.
+
+The GPT-3 sizes follow Brown et al. 2020, Table 2.1 (125M, 350M, 760M, 1.3B), with a
+2048-token context and GPT-2's 50257-token vocabulary; parameter counts include the
+(tied) token embedding and the learned position embedding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from stabilize.norms import NormConfig
+from stabilize.validate import build_dataclass, check_choice, check_positive, check_range
+
+ACTIVATIONS = ("gelu_tanh", "gelu")  # gelu_tanh is GPT-2's "gelu_new"
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Byte-level, runs a training step in milliseconds on a CPU: the test and demo model.
+    "tiny": dict(n_layer=2, n_head=4, d_model=128, block_size=128, vocab_size=256),
+    "gpt-125m": dict(n_layer=12, n_head=12, d_model=768, block_size=2048, vocab_size=50257),
+    "gpt-350m": dict(n_layer=24, n_head=16, d_model=1024, block_size=2048, vocab_size=50257),
+    "gpt-760m": dict(n_layer=24, n_head=16, d_model=1536, block_size=2048, vocab_size=50257),
+    "gpt-1.3b": dict(n_layer=24, n_head=16, d_model=2048, block_size=2048, vocab_size=50257),
+}
+# What each preset is published as, for the parameter-count check.
+PUBLISHED_PARAMS = {
+    "gpt-125m": 125e6,
+    "gpt-350m": 350e6,
+    "gpt-760m": 760e6,
+    "gpt-1.3b": 1.3e9,
+}
+
+
+@dataclass
+class GPTConfig:
+    name: str = "custom"  # the preset it came from, for logs and reports
+    vocab_size: int = 256
+    block_size: int = 128  # the context length
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    bias: bool = True
+    activation: str = "gelu_tanh"
+    init_std: float = 0.02
+    norm: NormConfig = field(default_factory=NormConfig)
+
+    def __post_init__(self) -> None:
+        self.norm = build_dataclass(NormConfig, self.norm, "norm")
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "mlp_ratio"):
+            check_positive(f"model.{key}", getattr(self, key), integer=True)
+        if self.d_model % self.n_head:
+            divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0]
+            more = " ..." if len(divisors) > 12 else ""
+            raise ValueError(
+                f"model.n_head={self.n_head!r} is not allowed: model.d_model={self.d_model} is "
+                f"not divisible by it; allowed: {divisors[:12]}{more}"
+            )
+        check_range("model.dropout", self.dropout, 0.0, 1.0)
+        check_positive("model.init_std", self.init_std)
+        check_choice("model.activation", self.activation, ACTIVATIONS)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> GPTConfig:
+        """A named size, with any field overridden (``norm`` may be a dict or NormConfig)."""
+        check_choice("model.preset", name, PRESETS)
+        return cls(**{"name": name, **PRESETS[name], **overrides})
+
+    def with_norm(self, **norm_overrides: Any) -> GPTConfig:
+        return replace(self, norm=replace(self.norm, **norm_overrides))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
