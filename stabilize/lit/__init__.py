@@ -1,0 +1,1 @@
+"""Lightning glue: the module, the trainer factory, callbacks, checkpoints, typed config."""

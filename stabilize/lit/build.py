@@ -1,0 +1,149 @@
+"""RunConfig -> Lightning Trainer: precision, launch environment, loggers, callbacks."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from stabilize.lit.callbacks import PlainProgress, ReplicaCheck, ThroughputLogger
+from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
+from stabilize.lit.config import LoggerConfig, PrecisionConfig, RunConfig, TrainerConfig
+
+COMPUTE_DTYPE = {
+    "fp32": torch.float32,
+    "fp16-mixed": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+}
+
+
+def resolve_accelerator(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if name == "gpu" else name
+
+
+def precision_args(cfg: PrecisionConfig, accelerator: str) -> tuple[str | None, list]:
+    """(Trainer's ``precision``, extra plugins).
+
+    fp16 goes through an explicit MixedPrecision plugin with our own GradScaler on every
+    device: Lightning turns ``precision="16-mixed"`` on CPU into bf16 with only a warning,
+    and the plugin also lets us set the scaler's initial scale and growth interval.
+    """
+    if cfg.name == "fp16-mixed":
+        device = "cuda" if accelerator == "cuda" else "cpu"
+        scaler = torch.amp.GradScaler(
+            device, init_scale=cfg.init_scale, growth_interval=cfg.growth_interval
+        )
+        return None, [MixedPrecision("16-mixed", device, scaler=scaler)]
+    return {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}[cfg.name], []
+
+
+@dataclass
+class LaunchEnv:
+    """Where this process sits: under torchrun, Lightning spawns nothing and reads these."""
+
+    world_size: int
+    rank: int
+    local_world_size: int
+
+    @classmethod
+    def detect(cls) -> LaunchEnv:
+        env = os.environ
+        world = int(env.get("WORLD_SIZE", "1"))
+        return cls(world, int(env.get("RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", world)))
+
+    @property
+    def torchrun(self) -> bool:
+        return "TORCHELASTIC_RUN_ID" in os.environ or self.world_size > 1
+
+
+def device_args(cfg: TrainerConfig, env: LaunchEnv) -> dict:
+    """devices / num_nodes / strategy, taken from torchrun's environment when present."""
+    if env.torchrun:
+        devices = env.local_world_size
+        num_nodes = max(1, env.world_size // env.local_world_size)
+    else:
+        devices = 1 if cfg.devices == "auto" else cfg.devices
+        num_nodes = cfg.num_nodes
+    strategy = cfg.strategy
+    if strategy == "auto":
+        strategy = "ddp" if devices * num_nodes > 1 else "auto"
+    return {"devices": devices, "num_nodes": num_nodes, "strategy": strategy}
+
+
+def build_loggers(cfg: LoggerConfig, run: RunConfig) -> list[Logger]:
+    loggers: list[Logger] = []
+    if cfg.csv:
+        # csv/version_N/metrics.csv: a resumed launch gets the next version, so nothing
+        # logged before the interruption is overwritten (CSVLogger deletes an existing file).
+        loggers.append(CSVLogger(save_dir=run.run_dir, name="csv"))
+    mode = os.environ.get("WANDB_MODE", cfg.mode)
+    if cfg.wandb and mode != "disabled":
+        loggers.append(
+            WandbLogger(
+                save_dir=run.run_dir,
+                project=cfg.project,
+                entity=cfg.entity,
+                group=cfg.group or run.name,
+                job_type=cfg.job_type,
+                tags=list(cfg.tags),
+                name=cfg.name or f"{run.name}-{os.path.basename(os.path.normpath(run.run_dir))}",
+                mode=mode,
+            )
+        )
+    return loggers
+
+
+def progress_callbacks(cfg: TrainerConfig) -> tuple[list[L.Callback], bool]:
+    kind = cfg.progress
+    if kind == "auto":
+        kind = "rich" if sys.stdout.isatty() else "plain"
+    if kind == "rich":
+        return [RichProgressBar()], True
+    if kind == "plain":
+        return [PlainProgress(cfg.log_every_n_steps)], False
+    return [], False
+
+
+def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.Trainer:
+    t = run.trainer
+    accelerator = resolve_accelerator(t.accelerator)
+    precision, plugins = precision_args(run.precision, accelerator)
+    accum = run.optim.accumulate_grad_batches
+    progress, bar = progress_callbacks(t)
+    callbacks = [
+        PeriodicCheckpoint(run.run_dir, t.checkpoint_every_n_steps, t.keep_checkpoints),
+        ThroughputLogger(COMPUTE_DTYPE[run.precision.name]),
+        ReplicaCheck(run.run_dir),
+        *progress,
+        *extra_callbacks,
+    ]
+    max_steps = t.max_steps if t.stop_at_step is None else min(t.max_steps, t.stop_at_step)
+    return L.Trainer(
+        accelerator=accelerator,
+        precision=precision,
+        plugins=[*plugins, AtomicCheckpointIO()],
+        max_steps=max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=accum,
+        log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=t.val_check_interval * accum,
+        check_val_every_n_epoch=None,
+        limit_val_batches=t.limit_val_batches,
+        num_sanity_val_steps=0,
+        deterministic=t.deterministic,
+        use_distributed_sampler=False,  # stabilize.data shards by rank itself
+        enable_progress_bar=bar,
+        callbacks=callbacks,
+        logger=build_loggers(run.logger, run) or False,
+        default_root_dir=run.run_dir,
+        **device_args(t, LaunchEnv.detect()),
+    )

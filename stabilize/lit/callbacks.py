@@ -1,0 +1,111 @@
+"""Small callbacks: throughput (tokens/s, MFU) and plain progress lines for non-terminals."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+
+
+def flops_per_token(model) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12 L T d for attention
+    (Chowdhery et al. 2022, PaLM, appendix B); N excludes the position table."""
+    c = model.cfg
+    return 6 * model.num_params(non_embedding=True) + 12 * c.n_layer * c.block_size * c.d_model
+
+
+class ThroughputLogger(L.Callback):
+    """Logs ``perf/tokens_per_s`` (all ranks together) and, where the device's peak FLOPs
+    are known, ``perf/mfu``. Host-side clocks only: no device sync added."""
+
+    def __init__(self, compute_dtype: torch.dtype):
+        self.compute_dtype = compute_dtype
+        self._t0: float | None = None
+        self._tokens = 0
+        self._peak: float | None = None
+        self._fpt = 0.0
+
+    def on_train_start(self, trainer, pl_module):
+        dev = pl_module.device
+        self._peak = get_available_flops(dev, self.compute_dtype) if dev.type == "cuda" else None
+        self._fpt = flops_per_token(pl_module.model)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._tokens += batch[0].numel() * trainer.world_size
+        step = trainer.global_step
+        if step % trainer.log_every_n_steps:
+            return
+        now = time.perf_counter()
+        if self._t0 is not None and now > self._t0:
+            tps = self._tokens / (now - self._t0)
+            stats = {"perf/tokens_per_s": tps}
+            if self._peak:
+                stats["perf/mfu"] = tps * self._fpt / (self._peak * trainer.world_size)
+            pl_module.log_dict(stats, on_step=True, on_epoch=False)
+        self._t0, self._tokens = now, 0
+
+
+class PlainProgress(L.Callback):
+    """One line every ``every`` steps, for logs and CI (a progress bar only in a terminal)."""
+
+    def __init__(self, every: int, stream=sys.stdout):
+        self.every = every
+        self.stream = stream
+
+    def _metrics(self, trainer, keys):
+        m = trainer.callback_metrics
+        return "  ".join(f"{k.split('/')[-1]} {float(m[k]):.4g}" for k in keys if k in m)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if trainer.is_global_zero and step % self.every == 0 and step > 0:
+            line = self._metrics(trainer, ["train/loss", "train/lr", "perf/tokens_per_s"])
+            print(f"step {step}/{trainer.max_steps}  {line}", file=self.stream, flush=True)
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.is_global_zero and not trainer.sanity_checking:
+            line = self._metrics(trainer, ["val/loss", "val/bpb"])
+            print(f"validation @ step {trainer.global_step}  {line}", file=self.stream, flush=True)
+
+
+def params_digest(module: torch.nn.Module) -> str:
+    """SHA-256 over every parameter's bytes, in name order: equal iff bit-identical."""
+    h = hashlib.sha256()
+    for name, p in sorted(module.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class ReplicaCheck(L.Callback):
+    """At the end of training every rank hashes its parameters; rank 0 writes
+    ``replicas.json`` saying whether all replicas are bit-identical (DDP keeps them so;
+    a mismatch means a rank silently diverged). Not meaningful under FSDP (sharded)."""
+
+    def __init__(self, run_dir: str):
+        self.path = Path(run_dir) / "replicas.json"
+
+    def on_train_end(self, trainer, pl_module):
+        digest = params_digest(pl_module.model)
+        digests = [digest]
+        if trainer.world_size > 1:
+            digests = [None] * trainer.world_size
+            torch.distributed.all_gather_object(digests, digest)
+        if trainer.is_global_zero:
+            self.path.write_text(
+                json.dumps(
+                    {
+                        "global_step": trainer.global_step,
+                        "world_size": trainer.world_size,
+                        "digests": digests,
+                        "identical": len(set(digests)) == 1,
+                    },
+                    indent=2,
+                )
+            )

@@ -1,0 +1,161 @@
+"""The typed run configuration: what train.py turns Hydra's DictConfig into.
+
+Rule of the house: Hydra stops in train.py. Everything below it receives these dataclasses,
+each validated on construction with the key, the value and the allowed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stabilize.data import DataConfig
+from stabilize.model import GPTConfig
+from stabilize.norms import NormConfig
+from stabilize.validate import (
+    build_dataclass,
+    check_choice,
+    check_positive,
+    check_range,
+)
+
+PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
+SCHEDULES = ("cosine", "linear", "constant")
+STRATEGIES = ("auto", "ddp", "fsdp")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+PROGRESS = ("auto", "rich", "plain", "none")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.1  # decoupled (AdamW); never on norms, biases or embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1  # the schedule's floor, as a fraction of lr
+    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+    accumulate_grad_batches: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive("optim.lr", self.lr)
+        check_range("optim.weight_decay", self.weight_decay, 0.0, 10.0)
+        check_range("optim.beta1", self.beta1, 0.0, 1.0)
+        check_range("optim.beta2", self.beta2, 0.0, 1.0)
+        check_positive("optim.eps", self.eps)
+        check_range("optim.warmup_steps", self.warmup_steps, 0, float("inf"))
+        check_choice("optim.schedule", self.schedule, SCHEDULES)
+        check_range("optim.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0 + 1e-9)
+        check_range("optim.grad_clip", self.grad_clip, 0.0, float("inf"))
+        check_positive("optim.accumulate_grad_batches", self.accumulate_grad_batches, integer=True)
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    # fp16-mixed only: GradScaler's dynamic loss scaling
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        check_choice("precision.name", self.name, PRECISIONS)
+        check_positive("precision.init_scale", self.init_scale)
+        check_positive("precision.growth_interval", self.growth_interval, integer=True)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 500  # optimizer steps; also the length of the LR schedule
+    stop_at_step: int | None = None  # stop cleanly here (as if interrupted); resume goes on
+    log_every_n_steps: int = 10
+    val_check_interval: int = 100  # in optimizer steps
+    limit_val_batches: int = 8
+    checkpoint_every_n_steps: int = 100
+    keep_checkpoints: int = -1  # periodic ones kept; -1 keeps all (last.ckpt is always kept)
+    accelerator: str = "auto"
+    devices: Any = "auto"  # an int, or "auto" (under torchrun: the processes per node)
+    num_nodes: int = 1
+    strategy: str = "auto"
+    deterministic: bool = False
+    progress: str = "auto"  # rich in a terminal, plain lines otherwise
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "log_every_n_steps", "val_check_interval", "num_nodes"):
+            check_positive(f"trainer.{key}", getattr(self, key), integer=True)
+        check_positive("trainer.limit_val_batches", self.limit_val_batches + 1, integer=True)
+        check_positive(
+            "trainer.checkpoint_every_n_steps", self.checkpoint_every_n_steps, integer=True
+        )
+        if self.stop_at_step is not None:
+            check_positive("trainer.stop_at_step", self.stop_at_step, integer=True)
+        if self.keep_checkpoints != -1:
+            check_positive("trainer.keep_checkpoints", self.keep_checkpoints, integer=True)
+        check_choice("trainer.accelerator", self.accelerator, ACCELERATORS)
+        if self.devices != "auto":
+            check_positive("trainer.devices", self.devices, integer=True)
+        check_choice("trainer.strategy", self.strategy, STRATEGIES)
+        check_choice("trainer.progress", self.progress, PROGRESS)
+
+
+@dataclass
+class LoggerConfig:
+    wandb: bool = True
+    mode: str = "offline"  # offline | online | disabled (WANDB_MODE wins when set)
+    project: str = "stabilize"
+    entity: str | None = None
+    group: str | None = None  # None: the experiment name, or the sweep's name in a multirun
+    job_type: str = "train"
+    tags: list[str] = field(default_factory=list)
+    name: str | None = None
+    csv: bool = True
+
+    def __post_init__(self) -> None:
+        check_choice("logger.mode", self.mode, ("offline", "online", "disabled"))
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"  # the experiment's name
+    run_dir: str = "runs/default"
+    resume: str = "none"  # none | auto (the run dir's last.ckpt, if any) | a checkpoint path
+    seed: int = 1234
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    def __post_init__(self) -> None:
+        self.model = build_dataclass(GPTConfig, self.model, "model")
+        for key, cls in (
+            ("data", DataConfig),
+            ("optim", OptimConfig),
+            ("precision", PrecisionConfig),
+            ("trainer", TrainerConfig),
+            ("logger", LoggerConfig),
+        ):
+            setattr(self, key, build_dataclass(cls, getattr(self, key), key))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        """From a plain (resolved) mapping whose ``norm`` sits at the top level, as in the
+        Hydra config: it is moved into ``model.norm``."""
+        values = dict(values)
+        allowed = list(cls.__dataclass_fields__) + ["norm"]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise ValueError(f"{unknown[0]} is not a known setting; allowed: {allowed}")
+        if "norm" in values:
+            model = dict(values.get("model") or {})
+            model["norm"] = build_dataclass(NormConfig, values.pop("norm"), "norm")
+            values["model"] = model
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The full resolved config, ``norm`` at the top level again (for loggers)."""
+        d = asdict(self)
+        d["norm"] = d["model"].pop("norm")
+        return d

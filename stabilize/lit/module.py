@@ -1,0 +1,185 @@
+"""The LightningModule: loss, AdamW with decoupled weight decay, warmup + cosine, clipping.
+
+Two step counters live here besides Lightning's ``global_step``:
+- ``model_step``: optimizer steps the *model* has taken. It is what the LR schedule, the
+  logs (``train/step``) and, later, rollbacks speak of: Lightning's loop counters never
+  rewind (Lightning issue #13099), the model's step does.
+- ``data_step``: micro-batches consumed, the data position. The order of batches is a pure
+  function of (seed, data_step) (stabilize.data.StepSampler), so resuming restarts there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stabilize.data import build_dataloaders
+from stabilize.lit.config import OptimConfig, RunConfig
+from stabilize.model import GPT
+from stabilize.norms import Norm
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Linear warmup to 1, then cosine / linear decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        shape = 1.0 - progress
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def step_seed(seed: int, data_step: int, rank: int) -> int:
+    """A 63-bit seed from (seed, step, rank), well mixed (splitmix64's finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + data_step * 0xBF58476D1CE4E5B9 + rank) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) >> 1
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only: no decay on norms, biases or embeddings (the tied head is wte)."""
+    no_decay: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, (nn.Embedding, Norm)):
+            no_decay |= {id(p) for p in m.parameters(recurse=False)}
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            no_decay.add(id(p))
+    params = list(model.parameters())  # deduplicated: the tied weight appears once
+    return [
+        {"params": [p for p in params if id(p) not in no_decay], "weight_decay": weight_decay},
+        {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0},
+    ]
+
+
+class GPTLitModule(L.LightningModule):
+    def __init__(self, cfg: RunConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = GPT(cfg.model)
+        self.model_step = 0
+        self.data_step = 0
+        self.grad_norm: torch.Tensor | None = None  # last pre-clip total norm, on device
+        self._loader_cache = None
+
+    # ---- data ---------------------------------------------------------------------------
+    def _loaders(self):
+        """Both loaders, built once per data position (the corpus is tokenized once)."""
+        if self._loader_cache is not None and self._loader_cache[0] == self.data_step:
+            return self._loader_cache[1]
+        t = self.trainer
+        micro_steps = self.cfg.trainer.max_steps * self.cfg.optim.accumulate_grad_batches
+        loaders = build_dataloaders(
+            self.cfg.data,
+            self.cfg.model.block_size,
+            rank=t.global_rank,
+            world_size=t.world_size,
+            start_step=self.data_step,
+            num_steps=micro_steps,
+            val_batches=self.cfg.trainer.limit_val_batches,
+        )
+        self._loader_cache = (self.data_step, loaders)
+        return loaders
+
+    def train_dataloader(self):
+        return self._loaders()[0]
+
+    def val_dataloader(self):
+        return self._loaders()[1]
+
+    # ---- steps ----------------------------------------------------------------------------
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def loss(self, batch) -> torch.Tensor:
+        x, y = batch  # [B, T] each
+        logits = self.model(x)  # [B, T, V]
+        # cross-entropy in fp32 whatever the activation dtype
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def on_train_batch_start(self, batch, batch_idx):
+        # Randomness (dropout) is a pure function of (seed, data position, rank): a resumed,
+        # replayed or rolled-back step draws exactly what it drew the first time, with no
+        # RNG state to save (creating a DataLoader iterator after a restore draws from the
+        # global generator, which would otherwise shift every later mask).
+        torch.manual_seed(step_seed(self.cfg.seed, self.data_step, self.global_rank))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.data_step += 1
+        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("val/bpb", loss / math.log(2), on_step=False, on_epoch=True, sync_dist=True)
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):
+        """One total-norm computation per step, reused for clipping and for the logs."""
+        max_norm = self.cfg.optim.grad_clip
+        fsdp = hasattr(self.trainer.strategy.model, "clip_grad_norm_")
+        if fsdp:  # FSDP shards the gradients: only it can compute the global norm
+            self.grad_norm = self.trainer.strategy.model.clip_grad_norm_(max_norm or math.inf)
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if max_norm > 0:
+            params = [p for p in self.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, self.grad_norm, foreach=True)
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        self.model_step += 1
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.trainer.global_step % self.trainer.log_every_n_steps:
+            return
+        stats = {
+            "train/step": float(self.model_step),
+            "train/lr": self.optimizers().param_groups[0]["lr"],
+        }
+        if self.grad_norm is not None:
+            stats["train/grad_norm"] = self.grad_norm
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            stats["train/loss_scale"] = float(scaler.get_scale())
+        self.log_dict(stats, on_step=True, on_epoch=False)
+
+    def configure_optimizers(self):
+        o = self.cfg.optim
+        opt = torch.optim.AdamW(
+            param_groups(self.model, o.weight_decay),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+        )
+        total = self.cfg.trainer.max_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, total))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["stabilize"] = {
+            "model_step": self.model_step,
+            "data_step": self.data_step,
+            "config": self.cfg.to_dict(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["stabilize"]
+        self.model_step = state["model_step"]
+        self.data_step = state["data_step"]

@@ -1,0 +1,78 @@
+"""Shared fixtures: offline W&B and datasets, real Hydra composition of configs/."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+# No network here, and no stray files in the user's home: set before wandb/datasets import.
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Overrides that make any config a few-second CPU run.
+FAST = [
+    "trainer.max_steps=4",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=2",
+    "trainer.limit_val_batches=2",
+    "trainer.checkpoint_every_n_steps=2",
+    "trainer.progress=plain",
+    "data.batch_size=4",
+    "model.block_size=64",
+    "optim.warmup_steps=2",
+]
+
+
+def compose_run(run_dir, overrides=()):
+    """Compose configs/train.yaml with Hydra exactly as the CLI does, into a RunConfig."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import stabilize.train  # noqa: F401  registers the resolvers the config uses
+    from stabilize.lit.config import RunConfig
+
+    with initialize_config_dir(str(CONFIGS), version_base="1.3"):
+        cfg = compose("train", overrides=[f"run_dir={run_dir}", *overrides])
+    return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+
+
+def read_csv_metrics(run_dir) -> list[dict[str, float]]:
+    """All CSV rows of a run, across resumed launches (csv/version_N), in order."""
+    rows = []
+    versions = sorted(
+        (Path(run_dir) / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[1])
+    )
+    for v in versions:
+        with open(v / "metrics.csv", newline="") as f:
+            for row in csv.DictReader(f):
+                rows.append({k: float(x) for k, x in row.items() if x not in ("", None)})
+    return rows
+
+
+def series(rows, key) -> dict[int, float]:
+    """{global step: value} for one metric."""
+    return {int(r["step"]): r[key] for r in rows if key in r}
+
+
+def run_cli(args, cwd, env=None, timeout=600):
+    """Run a command with the venv's executables first on PATH; returns CompletedProcess."""
+    e = dict(os.environ)
+    e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e['PATH']}"
+    e["PYTHON"] = sys.executable
+    e.update(env or {})
+    return subprocess.run(args, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def fast():
+    return list(FAST)
