@@ -10,13 +10,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import CONFIGS, FAST, compose_run, read_csv_metrics, run_cli, series
 
 from stabilize.lit.config import PRECISIONS, OptimConfig
 from stabilize.lit.module import lr_factor, param_groups
 from stabilize.model import GPT, GPTConfig
 from stabilize.train import run
 from stabilize.wandb_offline import find_offline_runs, read_offline_run
+
+from conftest import CONFIGS, FAST, compose_run, read_csv_metrics, run_cli, series
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
 

@@ -30,11 +30,19 @@ class ThroughputLogger(L.Callback):
         self._tokens = 0
         self._peak: float | None = None
         self._fpt = 0.0
+        self._val_t0 = 0.0
 
     def on_train_start(self, trainer, pl_module):
         dev = pl_module.device
         self._peak = get_available_flops(dev, self.compute_dtype) if dev.type == "cuda" else None
         self._fpt = flops_per_token(pl_module.model)
+
+    def on_validation_start(self, trainer, pl_module):
+        self._val_t0 = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module):
+        if self._t0 is not None:  # training throughput: the pause does not count
+            self._t0 += time.perf_counter() - self._val_t0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._tokens += batch[0].numel() * trainer.world_size
@@ -92,20 +100,20 @@ class ReplicaCheck(L.Callback):
         self.path = Path(run_dir) / "replicas.json"
 
     def on_train_end(self, trainer, pl_module):
-        digest = params_digest(pl_module.model)
-        digests = [digest]
+        mine = {
+            "digest": params_digest(pl_module.model),
+            "data_step": pl_module.data_step,
+            "model_step": pl_module.model_step,
+        }
+        ranks = [mine]
         if trainer.world_size > 1:
-            digests = [None] * trainer.world_size
-            torch.distributed.all_gather_object(digests, digest)
+            ranks = [None] * trainer.world_size
+            torch.distributed.all_gather_object(ranks, mine)
         if trainer.is_global_zero:
-            self.path.write_text(
-                json.dumps(
-                    {
-                        "global_step": trainer.global_step,
-                        "world_size": trainer.world_size,
-                        "digests": digests,
-                        "identical": len(set(digests)) == 1,
-                    },
-                    indent=2,
-                )
-            )
+            report = {
+                "global_step": trainer.global_step,
+                "world_size": trainer.world_size,
+                "ranks": ranks,
+                "identical": len({r["digest"] for r in ranks}) == 1,
+            }
+            self.path.write_text(json.dumps(report, indent=2))

@@ -19,6 +19,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_orphans(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -34,6 +35,17 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _remove_orphans(path: Path) -> None:
+    """Delete temporaries left by writers that were killed mid-write (their pid is gone)."""
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        try:
+            os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            pass
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -1,0 +1,138 @@
+"""Real multi-process launches: torchrun on CPU (gloo), Hydra multirun, scripts/sweep.sh."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from stabilize.lit.checkpoint import atomic_torch_save
+from stabilize.wandb_offline import find_offline_runs, read_offline_run
+
+from conftest import FAST, ROOT, run_cli
+
+SMALL = [o for o in FAST if not o.startswith("trainer.progress")] + ["trainer.accelerator=cpu"]
+
+
+def test_torchrun_two_ranks_share_one_run_and_stay_identical(tmp_path):
+    run_dir = tmp_path / "run"
+    r = run_cli(
+        [
+            str(ROOT / "scripts" / "launch.sh"),
+            "--nproc-per-node",
+            "2",
+            *SMALL,
+            "trainer.max_steps=6",
+            "name=ddp",
+        ],
+        cwd=tmp_path,
+        env={"STABILIZE_RUN_DIR": str(run_dir)},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # one output dir for both ranks
+    rep = json.loads((run_dir / "replicas.json").read_text())
+    assert rep["world_size"] == 2 and rep["identical"]
+    assert [x["data_step"] for x in rep["ranks"]] == [6, 6]  # both ranks trained every step
+    assert (run_dir / ".hydra").is_dir() and (run_dir / ".hydra-rank1").is_dir()
+    runs = find_offline_runs(run_dir / "wandb")
+    assert len(runs) == 1  # rank 0 only
+    w = read_offline_run(runs[0])
+    assert w.group == "ddp" and w.series("train/step")[-1] == 6
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 6 and ckpt["stabilize"]["data_step"] == 6
+
+
+def test_hydra_multirun_gives_each_member_its_dir_and_one_wandb_group(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = run_cli(
+        [
+            "stabilize-train",
+            "-m",
+            "norm=layernorm,rmsnorm",
+            *SMALL,
+            "trainer.max_steps=2",
+            "norm.backend=explicit",
+        ],
+        cwd=tmp_path,
+        env={"STABILIZE_SWEEP_DIR": str(sweep)},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    groups, types = set(), []
+    for member in ("0", "1"):
+        cfg = json.loads((sweep / member / "config.json").read_text())
+        types.append(cfg["norm"]["type"])
+        (run,) = find_offline_runs(sweep / member / "wandb")
+        groups.add(read_offline_run(run).group)
+    assert types == ["layernorm", "rmsnorm"]
+    assert groups == {"sweep"}
+
+
+def test_sweep_script_launches_each_member_with_torchrun(tmp_path):
+    r = run_cli(
+        [
+            str(ROOT / "scripts" / "sweep.sh"),
+            "--group",
+            "g1",
+            "--",
+            "norm.eps=1e-6,1e-3",
+            *SMALL,
+            "trainer.max_steps=2",
+        ],
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    eps = []
+    for member in ("0", "1"):
+        d = tmp_path / "runs" / "g1" / member
+        eps.append(json.loads((d / "config.json").read_text())["norm"]["eps"])
+        (run,) = find_offline_runs(d / "wandb")
+        assert read_offline_run(run).group == "g1"
+    assert eps == [1e-6, 1e-3]
+
+
+def test_launch_refuses_multinode_without_endpoint(tmp_path):
+    r = run_cli([str(ROOT / "scripts" / "launch.sh"), "--nnodes", "2"], cwd=tmp_path)
+    assert r.returncode == 2 and "--rdzv-endpoint" in r.stderr
+
+
+WRITER = """
+import sys, torch
+from stabilize.lit.checkpoint import atomic_torch_save
+path = sys.argv[1]
+i = 0
+print("ready", flush=True)
+while True:
+    i += 1
+    atomic_torch_save({"i": i, "blob": torch.full((2_000_000,), float(i))}, path)
+"""
+
+
+def test_sigkill_during_checkpoint_write_leaves_a_loadable_file(tmp_path):
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"i": 0, "blob": torch.zeros(2_000_000)}, path)
+    for delay in (0.3, 0.55, 0.8):
+        p = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True
+        )
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(delay)  # 8 MB writes: the kill lands mid-write most of the time
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        obj = torch.load(path, weights_only=False)
+        assert torch.all(obj["blob"] == float(obj["i"]))  # a whole checkpoint, old or new
+    atomic_torch_save({"i": -1, "blob": torch.zeros(1)}, path)  # the next save tidies up
+    assert [q.name for q in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+@pytest.mark.parametrize("resume", ["nope.ckpt"])
+def test_resume_from_missing_file_is_a_clear_error(resume, tmp_path):
+    from stabilize.lit.checkpoint import resolve_resume
+
+    with pytest.raises(ValueError, match="resume='nope.ckpt' is not allowed: no such"):
+        resolve_resume(resume, tmp_path)
+    assert resolve_resume("auto", tmp_path) is None
