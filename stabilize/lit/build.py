@@ -116,6 +116,12 @@ def progress_callbacks(cfg: TrainerConfig) -> tuple[list[L.Callback], bool]:
 def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.Trainer:
     t = run.trainer
     accelerator = resolve_accelerator(t.accelerator)
+    if t.strategy == "fsdp" and accelerator != "cuda":
+        raise ValueError(
+            f"trainer.strategy='fsdp' is not allowed with trainer.accelerator={t.accelerator!r} "
+            f"(resolved: {accelerator}): Lightning's FSDP needs CUDA; allowed on CPU: "
+            f"['auto', 'ddp']"
+        )
     precision, plugins = precision_args(run.precision, accelerator)
     accum = run.optim.accumulate_grad_batches
     progress, bar = progress_callbacks(t)

@@ -1,0 +1,51 @@
+"""What monitors say: events with a severity, and the stats they read."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Severity order: a step's verdict is its most severe event.
+INFO, WARN, SKIP, ROLLBACK, ABORT = "info", "warn", "skip", "rollback", "abort"
+SEVERITY = {INFO: 0, WARN: 1, SKIP: 2, ROLLBACK: 3, ABORT: 4}
+
+
+@dataclass
+class Event:
+    kind: str  # info | warn | skip | rollback | abort
+    monitor: str  # which monitor (or "rollback" / "fault" for the harness's own events)
+    step: int  # the model's step
+    message: str
+    layer: str | None = None
+    value: float | None = None
+    threshold: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        # JSON has no inf/nan: write them as strings so events.jsonl stays valid JSON
+        for k in ("value", "threshold"):
+            if d[k] is not None and not math.isfinite(d[k]):
+                d[k] = str(d[k])
+        return d
+
+
+def verdict(events: list[Event]) -> str:
+    """The most severe kind among ``events`` (``info`` when there are none)."""
+    return max((e.kind for e in events), key=SEVERITY.__getitem__, default=INFO)
+
+
+@dataclass
+class StepStats:
+    """One step's numbers, already on the host and identical on every rank."""
+
+    step: int
+    loss: float
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    scaler_skipped: bool = False
+    act_max: dict[str, float] = field(default_factory=dict)  # layer -> |x| max
+    norm_overflow: dict[str, float] = field(default_factory=dict)  # norm -> rows overflowed
+    norm_collapsed: dict[str, float] = field(default_factory=dict)  # norm -> dead rows
+    norm_rms_max: dict[str, float] = field(default_factory=dict)  # norm -> largest row RMS

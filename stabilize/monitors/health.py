@@ -1,0 +1,101 @@
+"""NaN/Inf in loss and gradients, and fp16 loss-scale collapse.
+
+In fp16 a non-finite gradient is routine: the GradScaler skips that step and halves the
+scale. Such a step is a *scaler skip*, counted and logged, not a NaN event. It becomes a
+fault when the scale collapses: below a floor, or too many skips in a row.
+"""
+
+from __future__ import annotations
+
+import math
+
+from stabilize.monitors.events import ROLLBACK, SKIP, Event, StepStats
+
+
+class NonFiniteMonitor:
+    def update(self, stats: StepStats) -> list[Event]:
+        if not math.isfinite(stats.loss):
+            return [
+                Event(
+                    ROLLBACK,
+                    "nonfinite",
+                    stats.step,
+                    f"loss is {stats.loss} at step {stats.step}",
+                    value=stats.loss,
+                )
+            ]
+        g = stats.grad_norm
+        if g is not None and not math.isfinite(g) and stats.loss_scale is None:
+            return [
+                Event(
+                    ROLLBACK,
+                    "nonfinite",
+                    stats.step,
+                    f"gradient norm is {g} at step {stats.step}",
+                    value=g,
+                )
+            ]
+        return []
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class LossScaleMonitor:
+    def __init__(self, floor: float = 1.0, max_consecutive_skips: int = 10):
+        self.floor, self.max_skips = floor, max_consecutive_skips
+        self.consecutive = 0
+        self.total_skips = 0
+
+    def update(self, stats: StepStats) -> list[Event]:
+        if stats.loss_scale is None:  # not an fp16 run
+            return []
+        events = []
+        if stats.scaler_skipped:
+            self.consecutive += 1
+            self.total_skips += 1
+            events.append(
+                Event(
+                    SKIP,
+                    "loss_scale",
+                    stats.step,
+                    f"GradScaler skipped step {stats.step} (inf/NaN gradients); "
+                    f"scale now {stats.loss_scale:g}",
+                    value=stats.loss_scale,
+                    extra={"consecutive": self.consecutive},
+                )
+            )
+        else:
+            self.consecutive = 0
+        if stats.loss_scale < self.floor:
+            events.append(
+                Event(
+                    ROLLBACK,
+                    "loss_scale",
+                    stats.step,
+                    f"loss scale collapsed to {stats.loss_scale:g} (floor {self.floor:g})",
+                    value=stats.loss_scale,
+                    threshold=self.floor,
+                )
+            )
+        elif self.consecutive > self.max_skips:
+            events.append(
+                Event(
+                    ROLLBACK,
+                    "loss_scale",
+                    stats.step,
+                    f"{self.consecutive} consecutive scaler skips (max {self.max_skips})",
+                    value=float(self.consecutive),
+                    threshold=float(self.max_skips),
+                )
+            )
+        return events
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive, "total_skips": self.total_skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consecutive, self.total_skips = state["consecutive"], state["total_skips"]

@@ -1,0 +1,156 @@
+"""Monitors on synthetic series with known answers (hand-computed or numpy references)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from stabilize.monitors import (
+    ROLLBACK,
+    SKIP,
+    WARN,
+    ActivationMonitor,
+    LossScaleMonitor,
+    MonitorConfig,
+    MonitorSuite,
+    NonFiniteMonitor,
+    SpikeDetector,
+    StepStats,
+    theil_sen_slope,
+    verdict,
+)
+
+
+def noisy(n, seed=0, level=2.0, sigma=0.05):
+    rng = np.random.default_rng(seed)
+    return level + sigma * rng.standard_normal(n)
+
+
+def test_spike_detector_quiet_on_noise_fires_on_a_spike():
+    d = SpikeDetector("grad_spike", window=50, warmup=20, threshold=6.0)
+    series = noisy(200)
+    assert not any(d.update(s, float(v)) for s, v in enumerate(series))
+    ev = d.update(200, 20.0)  # 10x the level
+    assert len(ev) == 1 and ev[0].kind == ROLLBACK and ev[0].extra["z"] > 6
+    assert 20.0 not in d.values  # the spike does not enter the window it is judged against
+    assert d.update(201, 2.01) == []
+
+
+def test_spike_detector_warmup_nonfinite_and_state():
+    d = SpikeDetector("loss_spike", window=30, warmup=10, threshold=5.0)
+    for s in range(9):
+        assert d.update(s, 1.0 + 0.01 * s) == []
+    assert d.update(9, 100.0) == []  # still warming up: no verdict, value recorded
+    d2 = SpikeDetector("loss_spike", window=30, warmup=10, threshold=5.0)
+    for s in range(10):
+        d2.update(s, 1.0 + 0.01 * (s % 3))
+    n = len(d2.values)
+    assert d2.update(10, math.nan) == [] and d2.update(11, math.inf) == []
+    assert len(d2.values) == n  # non-finite never enters
+    d3 = SpikeDetector("loss_spike", window=30, warmup=10, threshold=5.0)
+    d3.load_state_dict(d2.state_dict())
+    assert [e.kind for e in d3.update(12, 50.0)] == [e.kind for e in d2.update(12, 50.0)]
+
+
+def test_spike_detector_rejects_warmup_longer_than_window():
+    with pytest.raises(ValueError, match="monitor.x.warmup=20 is not allowed"):
+        SpikeDetector("x", window=10, warmup=20)
+
+
+def test_theil_sen_matches_least_squares_on_clean_data_and_ignores_outliers():
+    t = np.arange(32, dtype=float)
+    clean = 2.0 + 0.5 * t
+    np.testing.assert_allclose(theil_sen_slope(clean[None])[0], np.polyfit(t, clean, 1)[0])
+    dirty = clean.copy()
+    dirty[[3, 11, 20, 27]] += [40.0, -30.0, 55.0, 80.0]  # 12% wild points
+    assert theil_sen_slope(dirty[None])[0] == pytest.approx(0.5, abs=0.02)
+    assert abs(np.polyfit(t, dirty, 1)[0] - 0.5) > 0.2  # least squares is dragged away
+
+
+def test_activation_warns_once_per_crossing_of_256():
+    m = ActivationMonitor(threshold=256.0)
+    kinds = []
+    for s, v in enumerate([100, 200, 300, 310, 250, 400]):
+        kinds.append(
+            [
+                e.monitor
+                for e in m.update(StepStats(s, 1.0, act_max={"h.0": v}))
+                if e.monitor == "activation"
+            ]
+        )
+    assert kinds == [[], [], ["activation"], [], [], ["activation"]]
+
+
+def test_forecast_of_a_geometric_drift_matches_the_hand_computed_crossing():
+    m = ActivationMonitor(threshold=256.0, horizon=30, window=32)
+    rng = np.random.default_rng(1)
+    growth = 1.05
+    warned_at = None
+    for s in range(60):
+        v = 10.0 * growth**s * math.exp(0.02 * rng.standard_normal())
+        if s in (20, 33):
+            v *= 8.0  # two wild readings: the robust fit must not care
+        ev = m.update(StepStats(s, 1.0, act_max={"h.3": v}))
+        if s == 40:
+            # hand: 10 * 1.05^s = 256 at s = ln(25.6)/ln(1.05) = 66.47 -> 26.5 steps left
+            assert m.forecast["h.3"] == pytest.approx(66.47 - 40, abs=2.0)
+        if any(e.monitor == "forecast" for e in ev) and warned_at is None:
+            warned_at = s
+    assert warned_at is not None and 66.47 - warned_at <= 30 + 2  # within the horizon
+
+
+def test_flat_or_falling_series_forecasts_no_crossing():
+    m = ActivationMonitor(threshold=256.0)
+    for s in range(40):
+        m.update(StepStats(s, 1.0, act_max={"a": 50.0 * 0.99**s, "b": 50.0}))
+    assert m.forecast == {"a": math.inf, "b": math.inf}
+
+
+def test_overflow_counts_become_events_with_dead_tokens():
+    m = ActivationMonitor(on_overflow="rollback")
+    ev = m.update(
+        StepStats(5, 1.0, norm_overflow={"h.1.ln_1": 3.0}, norm_collapsed={"h.1.ln_1": 2.0})
+    )
+    assert [(e.kind, e.layer) for e in ev] == [(ROLLBACK, "h.1.ln_1")]
+    assert "3 rows' reduction overflowed, 2 tokens collapsed" in ev[0].message
+
+
+def test_nonfinite_and_loss_scale():
+    nf = NonFiniteMonitor()
+    assert nf.update(StepStats(1, math.nan))[0].kind == ROLLBACK
+    assert nf.update(StepStats(1, 2.0, grad_norm=math.inf))[0].kind == ROLLBACK
+    # fp16: an inf gradient is the scaler's business, not a NaN event
+    assert nf.update(StepStats(1, 2.0, grad_norm=math.inf, loss_scale=1024.0)) == []
+    ls = LossScaleMonitor(floor=1.0, max_consecutive_skips=2)
+    kinds = [
+        verdict(ls.update(StepStats(s, 2.0, loss_scale=2.0 ** (10 - s), scaler_skipped=True)))
+        for s in range(4)
+    ]
+    assert kinds == [SKIP, SKIP, ROLLBACK, ROLLBACK]
+    assert ls.total_skips == 4
+    ls2 = LossScaleMonitor(floor=1.0)
+    assert verdict(ls2.update(StepStats(9, 2.0, loss_scale=0.5))) == ROLLBACK
+
+
+def test_suite_runs_enabled_monitors_and_round_trips_state():
+    cfg = MonitorConfig(grad_spike={"window": 20, "warmup": 5}, loss_spike={"enabled": False})
+    suite = MonitorSuite(cfg)
+    assert list(suite.monitors) == ["activation", "grad_spike", "nonfinite", "loss_scale"]
+    for s in range(10):
+        suite.update(StepStats(s, 2.0, grad_norm=1.0 + 0.01 * s, act_max={"h.0": 300.0}))
+    other = MonitorSuite(cfg)
+    other.load_state_dict(suite.state_dict())
+    assert other.state_dict() == suite.state_dict()
+    assert verdict(suite.update(StepStats(10, 2.0, grad_norm=50.0))) == ROLLBACK
+    assert MonitorSuite(MonitorConfig(enabled=False)).monitors == {}
+    with pytest.raises(ValueError, match="monitor.activation.on_overflow='ignore'"):
+        MonitorConfig(activation={"on_overflow": "ignore"})
+
+
+def test_warn_kind_is_less_severe_than_rollback():
+    from stabilize.monitors import Event
+
+    evs = [Event(WARN, "a", 1, "x"), Event(ROLLBACK, "b", 1, "y"), Event(SKIP, "c", 1, "z")]
+    assert verdict(evs) == ROLLBACK and verdict([]) == "info"
