@@ -233,6 +233,20 @@ class PackedBlocks(Dataset):
         return s[i * t : i * t + t].long(), s[i * t + 1 : i * t + t + 1].long()
 
 
+class StepTagged(Dataset):
+    """Items addressed as (step, i): returns the wrapped item plus its data step."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        step, i = key
+        return (*self.dataset[i], step)
+
+
 def split_stream(stream: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Train = the head, val = the last val_fraction: contiguous, so no block straddles both."""
     check_range("data.val_fraction", val_fraction, 0.0, 0.5)
@@ -271,18 +285,22 @@ class StepSampler(Sampler[list[int]]):
         world_size: int = 1,
         start_step: int = 0,
         *,
-        num_steps: int,
+        num_steps: int | None,
+        tagged: bool = False,
     ) -> None:
         check_positive("n_items", n_items, integer=True)
         check_positive("data.batch_size", batch_size, integer=True)
         _check_int("data.seed", seed)
         check_positive("world_size", world_size, integer=True)
         _check_int("rank", rank, 0, world_size - 1)
-        _check_int("num_steps", num_steps)
+        if num_steps is not None:
+            _check_int("num_steps", num_steps)
         _check_int("start_step", start_step, 0, num_steps)
         self.n_items, self.batch_size, self.seed = n_items, batch_size, seed
         self.rank, self.world_size = rank, world_size
         self.start_step, self.num_steps = start_step, num_steps
+        self.position = start_step  # the next step to yield; seek() moves it
+        self.tagged = tagged
         self._perms: dict[int, torch.Tensor] = {}  # at most the two epochs a batch can span
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -303,11 +321,24 @@ class StepSampler(Sampler[list[int]]):
             p += take
         return out
 
+    def seek(self, step: int) -> None:
+        """Continue from ``step`` (a rollback rewinds here, a data skip jumps ahead)."""
+        _check_int("step", step)
+        self.position = step
+
     def __iter__(self):
-        for step in range(self.start_step, self.num_steps):
-            yield self.batch_for_step(step)
+        # The position is re-read for every batch, so seek() takes effect mid-iteration.
+        # Tagged batches carry their step: a batch fetched ahead before a seek is stale, and
+        # the consumer can tell (Lightning prefetches one batch).
+        while self.num_steps is None or self.position < self.num_steps:
+            step = self.position
+            self.position += 1
+            batch = self.batch_for_step(step)
+            yield [(step, i) for i in batch] if self.tagged else batch
 
     def __len__(self) -> int:
+        if self.num_steps is None:
+            raise TypeError("an unbounded StepSampler (num_steps=None) has no length")
         return self.num_steps - self.start_step
 
 
@@ -318,12 +349,15 @@ def build_dataloaders(
     rank: int = 0,
     world_size: int = 1,
     start_step: int = 0,
-    num_steps: int,
+    num_steps: int | None,
     val_batches: int | None = None,
     tokenizer: Any = None,
+    tagged: bool = False,
 ) -> tuple[DataLoader, DataLoader]:
     """(train, val) loaders for one rank. The train loader yields num_steps - start_step
-    micro-batches in StepSampler order; val is fixed: the first val_batches batches (None: all)
+    micro-batches in StepSampler order (unbounded for num_steps=None; with ``tagged`` each
+    batch is (x, y, steps) and the sampler is seekable through ``loader.batch_sampler``);
+    val is fixed: the first val_batches batches (None: all)
     of the val blocks in order, rank r taking batches r, r+W, ... (unequal by at most one)."""
     check_positive("block_size", block_size, integer=True)
     if val_batches is not None:  # 0: no validation (as Lightning's limit_val_batches=0)
@@ -350,14 +384,21 @@ def build_dataloaders(
             "one each. Raise data.val_fraction or set it to 0."
         )
     sampler = StepSampler(
-        len(train), cfg.batch_size, cfg.seed, rank, world_size, start_step, num_steps=num_steps
+        len(train),
+        cfg.batch_size,
+        cfg.seed,
+        rank,
+        world_size,
+        start_step,
+        num_steps=num_steps,
+        tagged=tagged,
     )
     b = cfg.batch_size
     val_index = [
         list(range(i * b, min(i * b + b, len(val)))) for i in range(rank, n_val, world_size)
     ]
     kw = dict(num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
-    train_loader = DataLoader(train, batch_sampler=sampler, **kw)
+    train_loader = DataLoader(StepTagged(train) if tagged else train, batch_sampler=sampler, **kw)
     return train_loader, DataLoader(val, batch_sampler=val_index, **kw)
 
 

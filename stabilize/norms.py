@@ -114,19 +114,48 @@ def _affine(y, weight, bias, act):
     return y
 
 
-def explicit_norm(kind, x, weight, bias, eps, red, act):
-    """The written-out norm: statistics in ``red``, result cast to ``act``, then affine.
-
-    The sum of squares is stored in ``red``, so in fp16 it overflows to inf exactly when a
-    real fp16 kernel's would (sum > 65504); x * rsqrt(inf) = 0 then zeroes the row.
-    """
+def _explicit(kind, x, weight, bias, eps, red, act):
+    """(output, statistic): the statistic is the mean square (sum for ScaleNorm) plus eps,
+    [..., 1] in ``red``: inf for exactly the rows whose reduction overflowed."""
     d = x.shape[-1]
     xr = x.to(red)
     if kind == "layernorm":
         xr = xr - xr.sum(-1, keepdim=True) / d
     ss = xr.square().sum(-1, keepdim=True)  # [..., 1], in red
     ms = ss + eps if kind == "scalenorm" else ss / d + eps  # eps added in red
-    return _affine(xr * torch.rsqrt(ms), weight, bias, act)
+    return _affine(xr * torch.rsqrt(ms), weight, bias, act), ms
+
+
+def explicit_norm(kind, x, weight, bias, eps, red, act):
+    """The written-out norm: statistics in ``red``, result cast to ``act``, then affine.
+
+    The sum of squares is stored in ``red``, so in fp16 it overflows to inf exactly when a
+    real fp16 kernel's would (sum > 65504); x * rsqrt(inf) = 0 then zeroes the row.
+    """
+    return _explicit(kind, x, weight, bias, eps, red, act)[0]
+
+
+def norm_stats(x: torch.Tensor, ms: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """[|x| max, rows overflowed, rows collapsed to zeros, largest row RMS] on device.
+
+    A row *overflowed* when its statistic is inf; it *collapsed* when it overflowed although
+    its input was finite: x * rsqrt(inf) = 0, a dead token with a zero gradient. Fused
+    backends reduce in fp32, so only a non-finite input can overflow them (and that row
+    turns NaN, not zero); their RMS is not computed (-1).
+    """
+    with torch.no_grad():
+        rowmax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1)  # one read pass, [...]
+        finite = torch.isfinite(rowmax)
+        if ms is None:
+            over = (~finite).sum()
+            dead = torch.zeros_like(over)
+            rms = torch.full((), -1.0, device=x.device)
+        else:
+            bad = torch.isinf(ms.squeeze(-1))
+            over, dead = bad.sum(), (bad & finite).sum()
+            mean_sq = ms.float().amax() / (x.shape[-1] if kind == "scalenorm" else 1)
+            rms = mean_sq.sqrt()
+        return torch.stack([rowmax.amax().float(), over.float(), dead.float(), rms.float()])
 
 
 def torch_norm(kind, x, weight, bias, eps, act):
@@ -234,6 +263,9 @@ class Norm(nn.Module):
         self.weight = weight
         self.bias = bias
         self.reset_parameters()
+        # Off by default; a monitor turns it on and reads last_stats after each forward.
+        self.collect_stats = False
+        self.last_stats: torch.Tensor | None = None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -275,14 +307,19 @@ class Norm(nn.Module):
         # below are the whole truth about precision here.
         off = torch.autocast(dev, enabled=False) if amp is not None else contextlib.nullcontext()
         with off:
+            ms = None
             if backend == "explicit":
                 red = x.dtype if self._reduction == "input" else dtype_from_name(self._reduction)
-                return explicit_norm(self.kind, x, self.weight, self.bias, self.eps, red, act)
-            if backend == "compiled":
-                return compiled_norm(self.kind, x, self.weight, self.bias, self.eps, act)
-            if backend == "apex":
-                return apex_norm(self.kind, x, self.weight, self.bias, self.eps, act)
-            return torch_norm(self.kind, x, self.weight, self.bias, self.eps, act)
+                y, ms = _explicit(self.kind, x, self.weight, self.bias, self.eps, red, act)
+            elif backend == "compiled":
+                y = compiled_norm(self.kind, x, self.weight, self.bias, self.eps, act)
+            elif backend == "apex":
+                y = apex_norm(self.kind, x, self.weight, self.bias, self.eps, act)
+            else:
+                y = torch_norm(self.kind, x, self.weight, self.bias, self.eps, act)
+            if self.collect_stats:
+                self.last_stats = norm_stats(x, ms, self.kind)
+            return y
 
     def extra_repr(self) -> str:
         return (

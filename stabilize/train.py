@@ -29,6 +29,7 @@ from stabilize.lit.build import build_trainer
 from stabilize.lit.checkpoint import resolve_resume
 from stabilize.lit.config import RunConfig
 from stabilize.lit.module import GPTLitModule
+from stabilize.lit.stability import StabilityAbort
 
 CONFIG_DIR = Path(
     os.environ.get("STABILIZE_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs")
@@ -116,7 +117,16 @@ def main(cfg: DictConfig) -> float | None:
     if group and not values["logger"].get("group"):
         values["logger"]["group"] = group
     run_cfg = RunConfig.from_dict(values)
-    result = run(run_cfg)
+    try:
+        result = run(run_cfg)
+    except StabilityAbort as e:
+        if _rank() == 0:
+            print(
+                "stability abort: " + json.dumps(e.diagnosis, indent=2, default=str),
+                file=sys.stderr,
+                flush=True,
+            )
+        sys.exit(3)
     m = result["metrics"]
     if _rank() == 0:
         summary = ", ".join(

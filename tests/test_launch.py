@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from stabilize.lit.checkpoint import atomic_torch_save
+from stabilize.io import atomic_torch_save
 from stabilize.wandb_offline import find_offline_runs, read_offline_run
 
 from conftest import FAST, ROOT, run_cli
@@ -102,7 +102,7 @@ def test_launch_refuses_multinode_without_endpoint(tmp_path):
 
 WRITER = """
 import sys, torch
-from stabilize.lit.checkpoint import atomic_torch_save
+from stabilize.io import atomic_torch_save
 path = sys.argv[1]
 i = 0
 print("ready", flush=True)

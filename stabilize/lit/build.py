@@ -12,9 +12,10 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from stabilize.lit.callbacks import PlainProgress, ReplicaCheck, ThroughputLogger
+from stabilize.lit.callbacks import PlainProgress, ReplicaCheck, StopAtModelStep, ThroughputLogger
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
 from stabilize.lit.config import LoggerConfig, PrecisionConfig, RunConfig, TrainerConfig
+from stabilize.lit.stability import StabilityCallback
 
 COMPUTE_DTYPE = {
     "fp32": torch.float32,
@@ -125,19 +126,21 @@ def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
     precision, plugins = precision_args(run.precision, accelerator)
     accum = run.optim.accumulate_grad_batches
     progress, bar = progress_callbacks(t)
+    max_steps = t.max_steps if t.stop_at_step is None else min(t.max_steps, t.stop_at_step)
     callbacks = [
         PeriodicCheckpoint(run.run_dir, t.checkpoint_every_n_steps, t.keep_checkpoints),
         ThroughputLogger(COMPUTE_DTYPE[run.precision.name]),
         ReplicaCheck(run.run_dir),
+        StabilityCallback(run.monitor, run.rollback, run.fault, run.run_dir, accum),
+        StopAtModelStep(max_steps),
         *progress,
         *extra_callbacks,
     ]
-    max_steps = t.max_steps if t.stop_at_step is None else min(t.max_steps, t.stop_at_step)
     return L.Trainer(
         accelerator=accelerator,
         precision=precision,
         plugins=[*plugins, AtomicCheckpointIO()],
-        max_steps=max_steps,
+        max_steps=-1,  # StopAtModelStep ends the run: global_step never rewinds, the model does
         max_epochs=-1,
         accumulate_grad_batches=accum,
         log_every_n_steps=t.log_every_n_steps,

@@ -45,6 +45,8 @@ class ThroughputLogger(L.Callback):
             self._t0 += time.perf_counter() - self._val_t0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if getattr(pl_module, "stale_batch", False):  # fetched before a rollback: dropped
+            return
         self._tokens += batch[0].numel() * trainer.world_size
         step = trainer.global_step
         if step % trainer.log_every_n_steps:
@@ -62,7 +64,7 @@ class ThroughputLogger(L.Callback):
 class PlainProgress(L.Callback):
     """One line every ``every`` steps, for logs and CI (a progress bar only in a terminal)."""
 
-    def __init__(self, every: int, stream=sys.stdout):
+    def __init__(self, every: int, stream=None):
         self.every = every
         self.stream = stream
 
@@ -73,8 +75,16 @@ class PlainProgress(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
         if trainer.is_global_zero and step % self.every == 0 and step > 0:
-            line = self._metrics(trainer, ["train/loss", "train/lr", "perf/tokens_per_s"])
-            print(f"step {step}/{trainer.max_steps}  {line}", file=self.stream, flush=True)
+            loss = getattr(pl_module, "_loss", None)  # callbacks run before the module's
+            line = (f"loss {float(loss):.4g}  " if loss is not None else "") + self._metrics(
+                trainer, ["train/lr", "perf/tokens_per_s"]
+            )
+            total = pl_module.cfg.trainer.max_steps
+            print(
+                f"step {pl_module.model_step}/{total}  {line}",
+                file=self.stream or sys.stdout,
+                flush=True,
+            )
 
     def on_validation_end(self, trainer, pl_module):
         if trainer.is_global_zero and not trainer.sanity_checking:
@@ -117,3 +127,18 @@ class ReplicaCheck(L.Callback):
                 "identical": len({r["digest"] for r in ranks}) == 1,
             }
             self.path.write_text(json.dumps(report, indent=2))
+
+
+class StopAtModelStep(L.Callback):
+    """Ends training when the *model* has taken ``steps`` optimizer steps.
+
+    Lightning's ``max_steps`` counts its own ``global_step``, which never rewinds: after a
+    rollback it would end the run short of the model's budget.
+    """
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.model_step >= self.steps:
+            trainer.should_stop = True

@@ -10,8 +10,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stabilize.data import DataConfig
+from stabilize.faults import FaultConfig
 from stabilize.model import GPTConfig
+from stabilize.monitors import MonitorConfig
 from stabilize.norms import NormConfig
+from stabilize.rollback import RollbackConfig
 from stabilize.validate import (
     build_dataclass,
     check_choice,
@@ -127,6 +130,9 @@ class RunConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         self.model = build_dataclass(GPTConfig, self.model, "model")
@@ -136,6 +142,9 @@ class RunConfig:
             ("precision", PrecisionConfig),
             ("trainer", TrainerConfig),
             ("logger", LoggerConfig),
+            ("monitor", MonitorConfig),
+            ("rollback", RollbackConfig),
+            ("fault", FaultConfig),
         ):
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
 

@@ -21,7 +21,7 @@ from torch import nn
 from stabilize.data import build_dataloaders
 from stabilize.lit.config import OptimConfig, RunConfig
 from stabilize.model import GPT
-from stabilize.norms import Norm
+from stabilize.norms import Norm, set_reduction_dtype
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -72,6 +72,13 @@ class GPTLitModule(L.LightningModule):
         self.data_step = 0
         self.grad_norm: torch.Tensor | None = None  # last pre-clip total norm, on device
         self._loader_cache = None
+        self._loss: torch.Tensor | None = None  # last micro-batch loss, logged on log steps
+        self._batch_step: int | None = None  # the data step the incoming batch was drawn for
+        self.stale_batch = False  # set per batch in on_before_batch_transfer
+        # Set by the stability callback; remedies persist in checkpoints.
+        self.injector = None
+        self.lr_scale = 1.0
+        self.remedies: list[str] = []
 
     # ---- data ---------------------------------------------------------------------------
     def _loaders(self):
@@ -79,21 +86,25 @@ class GPTLitModule(L.LightningModule):
         if self._loader_cache is not None and self._loader_cache[0] == self.data_step:
             return self._loader_cache[1]
         t = self.trainer
-        micro_steps = self.cfg.trainer.max_steps * self.cfg.optim.accumulate_grad_batches
         loaders = build_dataloaders(
             self.cfg.data,
             self.cfg.model.block_size,
             rank=t.global_rank,
             world_size=t.world_size,
             start_step=self.data_step,
-            num_steps=micro_steps,
+            num_steps=None,  # unbounded: rollbacks and data skips need more than max_steps
             val_batches=self.cfg.trainer.limit_val_batches,
+            tagged=True,
         )
         self._loader_cache = (self.data_step, loaders)
         return loaders
 
     def train_dataloader(self):
         return self._loaders()[0]
+
+    def seek_data(self, data_step: int) -> None:
+        """Make the train loader continue from ``data_step`` (after a rollback or skip)."""
+        self._loader_cache[1][0].batch_sampler.seek(data_step)
 
     def val_dataloader(self):
         return self._loaders()[1]
@@ -108,18 +119,43 @@ class GPTLitModule(L.LightningModule):
         # cross-entropy in fp32 whatever the activation dtype
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        if self.trainer.training and len(batch) == 3:
+            x, y, steps = batch  # steps: [B] CPU tensor, the data step of the batch
+            self._batch_step = int(steps[0])
+            # fetched ahead before a rollback moved the data position: not trained on
+            self.stale_batch = self._batch_step != self.data_step
+            return x, y
+        return batch[:2]
+
     def on_train_batch_start(self, batch, batch_idx):
         # Randomness (dropout) is a pure function of (seed, data position, rank): a resumed,
         # replayed or rolled-back step draws exactly what it drew the first time, with no
         # RNG state to save (creating a DataLoader iterator after a restore draws from the
-        # global generator, which would otherwise shift every later mask).
-        torch.manual_seed(step_seed(self.cfg.seed, self.data_step, self.global_rank))
+        # global generator, which would otherwise shift every later mask). Only the
+        # generators in use are seeded: torch.manual_seed also walks every other backend.
+        if self.cfg.model.dropout > 0:
+            seed = step_seed(self.cfg.seed, self.data_step, self.global_rank)
+            torch.default_generator.manual_seed(seed)
+            if self.device.type == "cuda":
+                torch.cuda.manual_seed(seed)
 
     def training_step(self, batch, batch_idx):
+        if self.stale_batch:
+            # Not trained on. Returning None would skip it, but DDP forbids that (every rank
+            # must join the gradient all-reduce): a zero loss is backpropagated instead, and
+            # optimizer_step applies nothing.
+            return self.loss(batch) * 0.0
         loss = self.loss(batch)
+        if self.injector is not None:
+            loss = self.injector.on_loss(self.model_step + 1, loss)
         self.data_step += 1
-        self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        self._loss = loss.detach()
         return loss
+
+    def on_after_backward(self):
+        if self.injector is not None:
+            self.injector.on_grads(self.model_step + 1, self.model)
 
     def validation_step(self, batch, batch_idx):
         loss = self.loss(batch)
@@ -141,8 +177,14 @@ class GPTLitModule(L.LightningModule):
             params = [p for p in self.parameters() if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, self.grad_norm, foreach=True)
 
-    def optimizer_step(self, *args, **kwargs):
-        super().optimizer_step(*args, **kwargs)
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if self.stale_batch:
+            # Lightning wants its closure run; the stale batch's zero gradients are dropped
+            # and no step is taken: no phantom step for the model, the LR or the scaler.
+            optimizer_closure()
+            optimizer.zero_grad(set_to_none=True)
+            return
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         self.model_step += 1
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -152,11 +194,14 @@ class GPTLitModule(L.LightningModule):
             "train/step": float(self.model_step),
             "train/lr": self.optimizers().param_groups[0]["lr"],
         }
+        if self._loss is not None:
+            # logged here, on log steps only: self.log costs ~1 ms per call on every step
+            stats["train/loss"] = self._loss
         if self.grad_norm is not None:
             stats["train/grad_norm"] = self.grad_norm
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if scaler is not None:
-            stats["train/loss_scale"] = float(scaler.get_scale())
+        if scaler is not None and getattr(scaler, "_scale", None) is not None:
+            stats["train/loss_scale"] = scaler._scale.float().reshape(())
         self.log_dict(stats, on_step=True, on_epoch=False)
 
     def configure_optimizers(self):
@@ -168,7 +213,12 @@ class GPTLitModule(L.LightningModule):
             eps=o.eps,
         )
         total = self.cfg.trainer.max_steps
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, total))
+        # The LR is a function of the *model's* step, not of how often the scheduler was
+        # stepped: Lightning steps it once per loop iteration, including replays after a
+        # rollback, and a restored scheduler counter would drift from model_step.
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda _: lr_factor(self.model_step, o, total)
+        )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---- checkpoints ----------------------------------------------------------------------
@@ -176,6 +226,8 @@ class GPTLitModule(L.LightningModule):
         checkpoint["stabilize"] = {
             "model_step": self.model_step,
             "data_step": self.data_step,
+            "lr_scale": self.lr_scale,
+            "remedies": list(self.remedies),
             "config": self.cfg.to_dict(),
         }
 
@@ -183,3 +235,7 @@ class GPTLitModule(L.LightningModule):
         state = checkpoint["stabilize"]
         self.model_step = state["model_step"]
         self.data_step = state["data_step"]
+        self.lr_scale = state.get("lr_scale", 1.0)
+        self.remedies = list(state.get("remedies", []))
+        if "fp32_reduction" in self.remedies:  # not in the state dict: re-apply
+            set_reduction_dtype(self.model, "fp32")

@@ -35,11 +35,16 @@ class ActivationMonitor:
         threshold: float = DANGER_LINE,
         horizon: int = 100,
         window: int = 32,
-        min_points: int = 8,
+        min_points: int = 16,
         on_overflow: str = "warn",
+        forecast_min: float = 8.0,
     ):
+        """``forecast_min``: no forecast warning below this |x| max. Activations grow
+        fast early in training from their ~0.5 start; a line fit there predicts a crossing
+        that never comes (seen on the tiny model: "256 in ~40 steps" at |x| max 0.5)."""
         self.threshold, self.horizon = threshold, horizon
-        self.window, self.min_points = window, min_points
+        self.window, self.min_points = window, min(min_points, window)
+        self.forecast_min = forecast_min
         self.on_overflow = ROLLBACK if on_overflow == "rollback" else WARN
         self.history: dict[str, deque[float]] = {}
         self.above: set[str] = set()  # layers currently past the line (warn once per crossing)
@@ -106,7 +111,8 @@ class ActivationMonitor:
             self.forecast[k] = left
             if left >= self.horizon:
                 self.forecast_warned.discard(k)
-            if 0 < left < self.horizon and k not in self.above | self.forecast_warned:
+            near = math.exp(lv) >= self.forecast_min
+            if near and 0 < left < self.horizon and k not in self.above | self.forecast_warned:
                 self.forecast_warned.add(k)
                 events.append(
                     Event(

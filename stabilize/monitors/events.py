@@ -49,3 +49,4 @@ class StepStats:
     norm_overflow: dict[str, float] = field(default_factory=dict)  # norm -> rows overflowed
     norm_collapsed: dict[str, float] = field(default_factory=dict)  # norm -> dead rows
     norm_rms_max: dict[str, float] = field(default_factory=dict)  # norm -> largest row RMS
+    attn_logit: dict[str, float] = field(default_factory=dict)  # block -> logit upper bound

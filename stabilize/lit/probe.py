@@ -1,0 +1,137 @@
+"""Per-layer statistics gathered on device during the training forward, no host sync.
+
+Series, in a fixed order (so every rank stacks the same vector):
+- ``h.{i}``: the residual stream after block i, |x| max;
+- every norm by module name (``h.{i}.ln_1``, ``ln_f``, ...): its input's |x| max, rows
+  whose reduction overflowed, rows that collapsed to zeros, largest row RMS (read from the
+  norm's own ``last_stats``, see stabilize.norms.norm_stats);
+- ``h.{i}.attn``: an upper bound on the attention logit, max|q| max|k| / sqrt(d_head)
+  (Cauchy-Schwarz; the exact max would cost a second attention).
+Maxima accumulate with ``torch.maximum`` and counts with ``+`` across the micro-batches of
+one optimizer step; ``reset()`` starts the next step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from stabilize.norms import Norm
+
+
+class StabilityProbe:
+    def __init__(self, model: nn.Module):
+        self.blocks = [f"h.{i}" for i in range(len(model.h))]
+        self.norms = [n for n, m in model.named_modules() if isinstance(m, Norm)]
+        self.attn = [f"h.{i}.attn" for i in range(len(model.h))]
+        self._handles = []
+        self._block_max: list[torch.Tensor | None] = [None] * len(self.blocks)
+        self._norm: list[torch.Tensor | None] = [None] * len(self.norms)
+        self._attn: list[torch.Tensor | None] = [None] * len(self.attn)
+        self._q: list[torch.Tensor | None] = [None] * len(self.attn)
+        for i, block in enumerate(model.h):
+            self._handles.append(block.register_forward_hook(self._block_hook(i)))
+            self._handles.append(block.attn.q_norm.register_forward_hook(self._q_hook(i)))
+            self._handles.append(block.attn.k_norm.register_forward_hook(self._k_hook(i)))
+        modules = dict(model.named_modules())
+        for j, name in enumerate(self.norms):
+            modules[name].collect_stats = True
+            self._handles.append(modules[name].register_forward_hook(self._norm_hook(j)))
+
+    # ---- hooks (training forwards only) -------------------------------------------------
+    def _block_hook(self, i):
+        def hook(module, args, out):
+            if module.training:
+                with torch.no_grad():
+                    v = torch.linalg.vector_norm(out, ord=math.inf).float()
+                    prev = self._block_max[i]
+                    self._block_max[i] = v if prev is None else torch.maximum(prev, v)
+
+        return hook
+
+    def _q_hook(self, i):
+        def hook(module, args, out):  # out: [B, H, T, hd]
+            if module.training:
+                with torch.no_grad():
+                    self._q[i] = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))
+
+        return hook
+
+    def _k_hook(self, i):
+        def hook(module, args, out):
+            if module.training and self._q[i] is not None:
+                with torch.no_grad():
+                    kn = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))  # [H]
+                    v = (self._q[i] * kn).amax() / math.sqrt(out.shape[-1])
+                    prev = self._attn[i]
+                    self._attn[i] = v if prev is None else torch.maximum(prev, v)
+
+        return hook
+
+    def _norm_hook(self, j):
+        def hook(module, args, out):
+            s = module.last_stats
+            if module.training and s is not None:
+                prev = self._norm[j]
+                if prev is None:
+                    self._norm[j] = s
+                else:  # max, sum, sum, max
+                    self._norm[j] = torch.stack(
+                        [
+                            torch.maximum(prev[0], s[0]),
+                            prev[1] + s[1],
+                            prev[2] + s[2],
+                            torch.maximum(prev[3], s[3]),
+                        ]
+                    )
+
+        return hook
+
+    # ---- the step's vector ------------------------------------------------------------------
+    def reset(self) -> None:
+        self._block_max = [None] * len(self.blocks)
+        self._norm = [None] * len(self.norms)
+        self._attn = [None] * len(self.attn)
+
+    @property
+    def size(self) -> int:
+        return len(self.blocks) + len(self.attn) + 4 * len(self.norms)
+
+    def vector(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(maxima, counts): maxima are reduced across ranks with max, counts with sum.
+
+        maxima = [block |x| max..., attn bound..., norm |x| max..., norm RMS max...]
+        counts = [norm overflow rows..., norm collapsed rows...]
+        """
+        zero = torch.zeros((), device=device)
+        blocks = [v if v is not None else zero for v in self._block_max]
+        attn = [v if v is not None else zero for v in self._attn]
+        norms = [v if v is not None else torch.zeros(4, device=device) for v in self._norm]
+        n = torch.stack(norms) if norms else torch.zeros(0, 4, device=device)  # [N, 4]
+        maxima = torch.cat(
+            [torch.stack(blocks + attn) if blocks else zero[None][:0], n[:, 0], n[:, 3]]
+        )
+        counts = torch.cat([n[:, 1], n[:, 2]])
+        return maxima, counts
+
+    def unpack(self, maxima: list[float], counts: list[float]) -> dict[str, dict[str, float]]:
+        """Host lists -> named dicts for StepStats."""
+        nb, na, nn_ = len(self.blocks), len(self.attn), len(self.norms)
+        out = {
+            "act_max": dict(zip(self.blocks, maxima[:nb], strict=True)),
+            "attn_logit": dict(zip(self.attn, maxima[nb : nb + na], strict=True)),
+        }
+        out["act_max"].update(zip(self.norms, maxima[nb + na : nb + na + nn_], strict=True))
+        out["norm_rms_max"] = {
+            k: v for k, v in zip(self.norms, maxima[nb + na + nn_ :], strict=True) if v >= 0
+        }
+        out["norm_overflow"] = dict(zip(self.norms, counts[:nn_], strict=True))
+        out["norm_collapsed"] = dict(zip(self.norms, counts[nn_:], strict=True))
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

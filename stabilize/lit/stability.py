@@ -1,0 +1,306 @@
+"""The stability callback: feeds the monitors once per step, acts on their verdict.
+
+Per optimizer step: the probe's device statistics, the loss, the pre-clip grad norm and the
+loss scale are stacked into one vector, gathered across ranks in one collective, reduced
+on device and moved to the host once (docs/stability.md). Every rank then runs the same
+monitors on the same numbers and takes the same decision: warn, snapshot, roll back with a
+remedy, or abort with a diagnosis.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_info
+
+from stabilize.faults import FaultConfig, FaultInjector
+from stabilize.lit.probe import StabilityProbe
+from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
+from stabilize.rollback import (
+    RollbackConfig,
+    RollbackPolicy,
+    Snapshot,
+    SnapshotRing,
+    apply_remedy,
+    save_durable,
+    to_cpu,
+)
+
+
+class StabilityAbort(RuntimeError):
+    """Raised on every rank at once when the policy gives up; carries the diagnosis."""
+
+    def __init__(self, diagnosis: dict[str, Any]):
+        super().__init__(diagnosis["reason"])
+        self.diagnosis = diagnosis
+
+
+class StabilityCallback(L.Callback):
+    def __init__(
+        self,
+        monitor: MonitorConfig,
+        rollback: RollbackConfig,
+        fault: FaultConfig,
+        run_dir: str,
+        accumulate: int = 1,
+    ):
+        self.mcfg, self.rcfg, self.fcfg = monitor, rollback, fault
+        self.run_dir = Path(run_dir)
+        self.accumulate = accumulate
+        self.suite = MonitorSuite(monitor)
+        self.ring = SnapshotRing(rollback.keep)
+        self.policy = RollbackPolicy(rollback)
+        self.probe: StabilityProbe | None = None
+        self.injector: FaultInjector | None = None
+        self.last: StepStats | None = None
+        self.counts = {"warn": 0, "skip": 0, "rollback": 0}
+        self._loss: torch.Tensor | None = None
+        self._prev_scale: float | None = None
+        self._base_lrs: list[float] | None = None
+
+    # ---- set-up -------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage):
+        model = pl_module.model
+        # The fault's hook first: hooks run in registration order, and the probe must
+        # measure what the next layer really receives.
+        self.injector = FaultInjector(self.fcfg, rank=trainer.global_rank)
+        self.injector.attach(model)
+        pl_module.injector = self.injector
+        if self.mcfg.enabled:
+            self.probe = StabilityProbe(model)
+
+    def on_train_start(self, trainer, pl_module):
+        sched = trainer.lr_scheduler_configs[0].scheduler
+        self._base_lrs = list(sched.base_lrs)
+        if self.rcfg.enabled:
+            self._snapshot(trainer, pl_module)  # a floor to return to, before any step
+
+    # ---- per step -----------------------------------------------------------------------
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if pl_module.data_step % self.accumulate == 0:
+            if self.probe is not None:
+                self.probe.reset()
+            self._loss = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.stale_batch:  # fetched before a rollback: not trained on
+            return
+        loss = outputs["loss"].detach().float()
+        self._loss = loss if self._loss is None else self._loss + loss
+        if pl_module.data_step % self.accumulate:
+            return  # mid-accumulation: the optimizer has not stepped
+        stats = self._gather(trainer, pl_module)
+        events = self.suite.update(stats)
+        if self.injector is not None:
+            layer = f"h.{self.fcfg.layer}"
+            self.injector.steer(stats.step + 1, stats.act_max.get(layer))
+        self.last = stats
+        if trainer.global_step % trainer.log_every_n_steps == 0:
+            self._log_stats(pl_module, stats)
+        for e in events:
+            self._emit(trainer, e)
+        rollbacks = [e for e in events if e.kind == ROLLBACK]
+        if rollbacks and self.rcfg.enabled:
+            self._rollback(trainer, pl_module, rollbacks[0])
+        elif self.rcfg.enabled and stats.step % self.rcfg.snapshot_every == 0:
+            self._snapshot(trainer, pl_module)
+
+    def _gather(self, trainer, pl_module) -> StepStats:
+        """One vector, one collective, one host transfer."""
+        dev = pl_module.device
+        nan = torch.tensor(float("nan"), device=dev)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        head = torch.stack(
+            [
+                (self._loss / self.accumulate) if self._loss is not None else nan,
+                pl_module.grad_norm.float() if pl_module.grad_norm is not None else nan,
+                scale.float().reshape(()) if scale is not None else torch.tensor(-1.0, device=dev),
+            ]
+        )
+        if self.probe is not None:
+            maxima, counts = self.probe.vector(dev)
+        else:
+            maxima = counts = torch.zeros(0, device=dev)
+        vec = torch.cat([head, maxima.float(), counts.float()])
+        if trainer.world_size > 1:
+            out = torch.empty(trainer.world_size * vec.numel(), device=dev)
+            torch.distributed.all_gather_into_tensor(out, vec)
+            out = out.view(trainer.world_size, vec.numel())  # [W, K]
+            nh, nm = head.numel(), maxima.numel()
+            # loss: the mean over ranks (NaN anywhere stays NaN); maxima: max; counts: sum
+            vec = torch.cat(
+                [out[:, :1].mean(0), out[:, 1 : nh + nm].amax(0), out[:, nh + nm :].sum(0)]
+            )
+        host = vec.cpu().tolist()  # the one host sync of the step
+        loss, gnorm, sc = host[0], host[1], host[2]
+        nm = maxima.numel()
+        named = self.probe.unpack(host[3 : 3 + nm], host[3 + nm :]) if self.probe else {}
+        scale_v = sc if sc >= 0 else None
+        skipped = (
+            scale_v is not None and self._prev_scale is not None and scale_v < self._prev_scale
+        )
+        self._prev_scale = scale_v
+        grad_norm = None if pl_module.grad_norm is None else gnorm
+        return StepStats(
+            step=pl_module.model_step,
+            loss=loss,
+            grad_norm=grad_norm,
+            loss_scale=scale_v,
+            scaler_skipped=skipped,
+            **named,
+        )
+
+    # ---- logging ------------------------------------------------------------------------
+    def _log_stats(self, pl_module, s: StepStats) -> None:
+        m: dict[str, float] = {}
+        m.update({f"act/{k}": v for k, v in s.act_max.items()})
+        m.update({f"attn_logit/{k}": v for k, v in s.attn_logit.items()})
+        m.update({f"overflow/{k}": v for k, v in s.norm_overflow.items()})
+        m.update({f"dead/{k}": v for k, v in s.norm_collapsed.items()})
+        m.update({f"rms/{k}": v for k, v in s.norm_rms_max.items()})
+        m.update({f"forecast/{k}": min(v, 1e6) for k, v in self.suite.forecast.items()})
+        m.update({f"stability/{k}s": float(v) for k, v in self.counts.items()})
+        m = {k: v for k, v in m.items() if math.isfinite(v)}
+        pl_module.log_dict(m, on_step=True, on_epoch=False)
+
+    def _emit(self, trainer, e: Event, **extra) -> None:
+        if e.kind in self.counts:
+            self.counts[e.kind] += 1
+        if not trainer.is_global_zero:
+            return
+        record = {**e.to_dict(), "global_step": trainer.global_step, **extra}
+        with open(self.run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+        if e.kind != "info":
+            rank_zero_info(f"[stability] {e.kind.upper()} step {e.step}: {e.message}")
+        if e.kind in ("warn", "rollback", "abort"):
+            for lg in trainer.loggers:
+                if isinstance(lg, WandbLogger):
+                    level = "WARN" if e.kind in ("warn", "skip") else "ERROR"
+                    lg.experiment.alert(
+                        title=f"{e.kind}: {e.monitor}", text=e.message, level=level, wait_duration=0
+                    )
+
+    # ---- snapshots and rollback -----------------------------------------------------------
+    def _objects(self, trainer):
+        opt = trainer.optimizers[0]
+        sched = trainer.lr_scheduler_configs[0].scheduler
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        return opt, sched, scaler
+
+    def _snapshot(self, trainer, pl_module) -> None:
+        opt, sched, scaler = self._objects(trainer)
+        state = {
+            "model": to_cpu(pl_module.model.state_dict()),
+            "optimizer": to_cpu(opt.state_dict()),
+            "scheduler": to_cpu(sched.state_dict()),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "model_step": pl_module.model_step,
+            "data_step": pl_module.data_step,
+            "monitors": to_cpu(self.suite.state_dict()),
+            "fault": self.injector.state_dict() if self.injector else None,
+        }
+        snap = Snapshot(pl_module.model_step, state)
+        self.ring.push(snap)
+        every = self.rcfg.durable_every
+        if every and snap.step % every == 0 and trainer.is_global_zero:
+            save_durable(snap, self.run_dir / "snapshots")
+
+    def _rollback(self, trainer, pl_module, event: Event) -> None:
+        decision = self.policy.decide(event, self.ring)
+        if decision.action == "abort":
+            self._abort(trainer, pl_module, event, decision.reason)
+        snap, remedy = decision.snapshot, decision.remedy
+        opt, sched, scaler = self._objects(trainer)
+        st = snap.state
+        pl_module.model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        if scaler is not None and st["scaler"] is not None:
+            scaler.load_state_dict(st["scaler"])
+            self._prev_scale = None
+        self.suite.load_state_dict(st["monitors"])
+        if self.injector is not None and st["fault"] is not None:
+            if self.fcfg.persistent:
+                self.injector.load_state_dict(st["fault"])
+            else:  # a transient drift does not come back
+                self.injector.drift_factor, self.injector.cfg.kind = 1.0, "none"
+        # remedies so far stay applied: the LR scale is re-imposed on the restored schedule
+        sched.base_lrs = [b * pl_module.lr_scale for b in self._base_lrs]
+        for g, b in zip(opt.param_groups, sched.base_lrs, strict=True):
+            g["initial_lr"] = b
+        pl_module.model_step, pl_module.data_step = st["model_step"], st["data_step"]
+        did = apply_remedy(remedy, pl_module.model, sched, opt, self.rcfg)
+        if remedy == "skip_data":
+            pl_module.data_step += self.rcfg.skip_batches
+        elif remedy == "lower_lr":
+            pl_module.lr_scale *= self.rcfg.lr_factor
+        pl_module.remedies.append(remedy)
+        pl_module.seek_data(pl_module.data_step)
+        opt.zero_grad(set_to_none=True)
+        self.ring.ring = type(self.ring.ring)(
+            [s for s in self.ring.ring if s.step <= snap.step], maxlen=self.ring.ring.maxlen
+        )
+        self._emit(
+            trainer,
+            Event(
+                "rollback",
+                "rollback",
+                event.step,
+                f"rolled back from step {event.step} to {snap.step} "
+                f"({event.monitor}); remedy {remedy}: {did}",
+                layer=event.layer,
+                extra={"restored_step": snap.step, "remedy": remedy, **did},
+            ),
+        )
+
+    def _abort(self, trainer, pl_module, event: Event, reason: str) -> None:
+        s = self.last
+        top = sorted(s.act_max.items(), key=lambda kv: -kv[1])[:5] if s else []
+        forecast = {k: v for k, v in self.suite.forecast.items() if math.isfinite(v)}
+        diagnosis = {
+            "reason": reason,
+            "monitor": event.monitor,
+            "step": event.step,
+            "layer": event.layer,
+            "message": event.message,
+            "act_max_top": top,
+            "forecast_steps_left": dict(sorted(forecast.items(), key=lambda kv: kv[1])[:5]),
+            "rollbacks": self.policy.history,
+            "remedies": list(pl_module.remedies),
+        }
+        self._emit(
+            trainer,
+            Event(
+                "abort",
+                "rollback",
+                event.step,
+                f"abort: {reason}",
+                layer=event.layer,
+                extra={"diagnosis": diagnosis},
+            ),
+        )
+        if trainer.is_global_zero:
+            (self.run_dir / "diagnosis.json").write_text(
+                json.dumps(diagnosis, indent=2, default=str)
+            )
+        raise StabilityAbort(diagnosis)
+
+    def state_dict(self) -> dict:
+        return {
+            "monitors": self.suite.state_dict(),
+            "policy": self.policy.state_dict(),
+            "counts": dict(self.counts),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.suite.load_state_dict(state["monitors"])
+        self.policy.load_state_dict(state["policy"])
+        self.counts.update(state["counts"])

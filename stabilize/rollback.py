@@ -1,0 +1,178 @@
+"""Snapshots of the last good state, the rollback policy and its remedies.
+
+Trainer-agnostic: the Lightning callback hands in the model, optimizer, scheduler and
+scaler, and asks the policy what to do with a ROLLBACK event. The policy is deterministic
+host code fed identical numbers on every rank, so all ranks decide the same thing
+without talking to each other.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stabilize.io import atomic_torch_save
+from stabilize.monitors.events import Event
+from stabilize.norms import set_reduction_dtype
+from stabilize.validate import check_choice, check_positive, check_range
+
+# retry: restore and go on unchanged (a transient fault - a flipped bit, a bad host - does
+# not recur; Megatron-LM re-runs a failing step to tell the two kinds apart).
+REMEDIES = ("retry", "skip_data", "lower_lr", "fp32_reduction")
+
+
+@dataclass
+class RollbackConfig:
+    enabled: bool = True
+    snapshot_every: int = 10  # K: a memory snapshot every K healthy steps
+    keep: int = 3  # snapshots in the memory ring
+    durable_every: int = 100  # M: also to disk every M steps (0: never)
+    margin: int = 1  # restore a snapshot at least this many steps older than the fault
+    ladder: list[str] = field(default_factory=lambda: ["skip_data", "lower_lr", "fp32_reduction"])
+    skip_batches: int = 20  # skip_data: batches skipped past the restored position
+    lr_factor: float = 0.5  # lower_lr: the schedule's LR is multiplied by this
+    max_rollbacks: int = 5  # in ``window`` steps, then abort
+    window: int = 1000
+
+    def __post_init__(self):
+        for k in ("snapshot_every", "keep", "skip_batches", "max_rollbacks", "window"):
+            check_positive(f"rollback.{k}", getattr(self, k), integer=True)
+        check_range("rollback.durable_every", self.durable_every, 0, float("inf"))
+        check_range("rollback.margin", self.margin, 0, float("inf"))
+        check_range("rollback.lr_factor", self.lr_factor, 1e-6, 1.0)
+        for i, r in enumerate(self.ladder):
+            check_choice(f"rollback.ladder[{i}]", r, REMEDIES)
+
+
+def to_cpu(obj: Any) -> Any:
+    """A deep copy with every tensor cloned to host memory (snapshots outlive the step)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+@dataclass
+class Snapshot:
+    step: int  # the model's step
+    state: dict[str, Any]  # everything needed to resume, on the host
+    wall: float = field(default_factory=time.time)
+
+
+class SnapshotRing:
+    def __init__(self, keep: int):
+        self.ring: deque[Snapshot] = deque(maxlen=keep)
+
+    def push(self, snap: Snapshot) -> None:
+        self.ring.append(snap)
+
+    def newest_before(self, step: int) -> Snapshot | None:
+        """The newest snapshot whose step is <= ``step``."""
+        ok = [s for s in self.ring if s.step <= step]
+        return ok[-1] if ok else None
+
+    def steps(self) -> list[int]:
+        return [s.step for s in self.ring]
+
+
+def save_durable(snap: Snapshot, directory: str | Path) -> Path:
+    path = Path(directory) / f"snapshot-{snap.step:06d}.pt"
+    atomic_torch_save({"step": snap.step, "state": snap.state, "wall": snap.wall}, path)
+    return path
+
+
+def load_durable(path: str | Path) -> Snapshot:
+    d = torch.load(path, map_location="cpu", weights_only=False)
+    return Snapshot(d["step"], d["state"], d["wall"])
+
+
+@dataclass
+class Decision:
+    action: str  # "rollback" | "abort"
+    snapshot: Snapshot | None = None
+    remedy: str | None = None
+    reason: str = ""
+
+
+class RollbackPolicy:
+    """Which snapshot, which remedy, or give up.
+
+    Successive rollbacks for the same monitor climb that monitor's ladder: the i-th
+    rollback applies ``ladder[i]``; one more than the ladder has rungs, or more than
+    ``max_rollbacks`` rollbacks of any kind within ``window`` steps, aborts.
+    """
+
+    def __init__(self, cfg: RollbackConfig):
+        self.cfg = cfg
+        self.history: list[dict[str, Any]] = []  # every rollback so far
+
+    def decide(self, event: Event, ring: SnapshotRing) -> Decision:
+        recent = [h for h in self.history if h["fault_step"] > event.step - self.cfg.window]
+        same = [h for h in self.history if h["monitor"] == event.monitor]
+        if len(recent) >= self.cfg.max_rollbacks:
+            return Decision(
+                "abort",
+                reason=f"{len(recent)} rollbacks within "
+                f"{self.cfg.window} steps (max {self.cfg.max_rollbacks})",
+            )
+        if len(same) >= len(self.cfg.ladder):
+            return Decision(
+                "abort",
+                reason=f"the remedy ladder {self.cfg.ladder} is exhausted "
+                f"for {event.monitor!r}: the fault persists",
+            )
+        snap = ring.newest_before(event.step - self.cfg.margin)
+        if snap is None:
+            return Decision(
+                "abort",
+                reason=f"no snapshot at or before step "
+                f"{event.step - self.cfg.margin} (have {ring.steps()})",
+            )
+        remedy = self.cfg.ladder[len(same)]
+        self.history.append(
+            {
+                "monitor": event.monitor,
+                "fault_step": event.step,
+                "restored_step": snap.step,
+                "remedy": remedy,
+                "message": event.message,
+                "layer": event.layer,
+            }
+        )
+        return Decision("rollback", snap, remedy)
+
+    def state_dict(self) -> dict:
+        return {"history": copy.deepcopy(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = copy.deepcopy(state["history"])
+
+
+def apply_remedy(
+    remedy: str, model: torch.nn.Module, scheduler, optimizer, cfg: RollbackConfig
+) -> dict[str, Any]:
+    """Apply one rung in place; returns what it did (for the event log).
+
+    skip_data is applied by the caller (it moves the data position); the others change
+    the training state here.
+    """
+    if remedy == "lower_lr":
+        scheduler.base_lrs = [lr * cfg.lr_factor for lr in scheduler.base_lrs]
+        for g, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+            g["initial_lr"] = base
+            g["lr"] *= cfg.lr_factor
+        return {"lr_factor": cfg.lr_factor, "base_lrs": list(scheduler.base_lrs)}
+    if remedy == "fp32_reduction":
+        return {"norms_switched": set_reduction_dtype(model, "fp32")}
+    if remedy == "skip_data":
+        return {"skip_batches": cfg.skip_batches}
+    return {}

@@ -1,0 +1,263 @@
+"""Monitors + faults + rollback through a real Lightning Trainer on CPU (tiny model)."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stabilize.lit.stability import StabilityAbort
+from stabilize.rollback import load_durable
+from stabilize.train import run
+
+from conftest import FAST, ROOT, compose_run, read_csv_metrics, run_cli, series
+
+BASE = [
+    *FAST,
+    "logger=none",
+    "trainer.max_steps=14",
+    "trainer.val_check_interval=100",
+    "trainer.checkpoint_every_n_steps=100",
+    "rollback.snapshot_every=2",
+    "rollback.durable_every=0",
+    "monitor.grad_spike.warmup=6",
+    "monitor.grad_spike.window=20",
+    "monitor.grad_spike.min_ratio=100",
+    "monitor.grad_spike.action=rollback",
+    "monitor.loss_spike.enabled=false",
+]
+
+
+def events(run_dir) -> list[dict]:
+    path = Path(run_dir) / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def kinds(evs, kind):
+    return [e for e in evs if e["kind"] == kind]
+
+
+@pytest.mark.parametrize(
+    "fault, monitor",
+    [
+        (["fault=nan_loss", "fault.step=7"], "nonfinite"),
+        (["fault=inf_grad", "fault.step=7", "fault.param=h.1.mlp.c_fc.weight"], "nonfinite"),
+        (["fault=grad_spike", "fault.step=11", "fault.factor=1e4"], "grad_spike"),
+    ],
+)
+def test_each_fault_is_detected_rolled_back_and_training_goes_on(fault, monitor, tmp_path):
+    out = run(compose_run(tmp_path, [*BASE, *fault]))
+    step = int(fault[1].split("=")[1])
+    evs = events(tmp_path)
+    rb = kinds(evs, "rollback")
+    assert [
+        (e["monitor"], e["step"]) for e in kinds(evs, "rollback") if e["monitor"] != "rollback"
+    ] == [(monitor, step)]
+    (done,) = [e for e in rb if e["monitor"] == "rollback"]
+    assert done["extra"]["restored_step"] <= step - 1 and done["extra"]["remedy"] == "skip_data"
+    assert out["model_step"] == 14  # the model's budget, not Lightning's global_step
+    assert out["global_step"] > 14  # the replayed steps count for Lightning
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["stabilize"]["model_step"] == 14
+    assert ckpt["stabilize"]["remedies"] == ["skip_data"]
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+    # the data position moved past the skipped batches
+    assert ckpt["stabilize"]["data_step"] == 14 + 20
+
+
+def test_rollback_with_retry_replays_bit_identically(tmp_path):
+    """A transient fault, rolled back with no remedy: the run ends exactly where the
+    fault-free run ends (CPU, fp32), dropout included."""
+    common = [*BASE, "model.dropout=0.1", "rollback.ladder=[retry]"]
+    clean = run(compose_run(tmp_path / "clean", common))
+    hit = run(compose_run(tmp_path / "hit", [*common, "fault=nan_loss", "fault.step=9"]))
+    assert len(kinds(events(tmp_path / "hit"), "rollback")) == 2  # the fault + the restore
+    assert hit["global_step"] > clean["global_step"]
+    a = torch.load(tmp_path / "clean" / "checkpoints" / "last.ckpt", weights_only=False)
+    b = torch.load(tmp_path / "hit" / "checkpoints" / "last.ckpt", weights_only=False)
+    for k, v in a["state_dict"].items():
+        assert torch.equal(v, b["state_dict"][k]), k
+    la, lb = (
+        series(read_csv_metrics(tmp_path / "clean"), "train/loss"),
+        series(read_csv_metrics(tmp_path / "hit"), "train/loss"),
+    )
+    assert list(la.values())[-3:] == list(lb.values())[-3:]
+
+
+def test_persistent_fault_exhausts_the_ladder_and_aborts_with_a_diagnosis(tmp_path):
+    t0 = time.time()
+    with pytest.raises(StabilityAbort) as e:
+        run(
+            compose_run(
+                tmp_path, [*BASE, "fault=nan_loss", "fault.step=5", "fault.persistent=true"]
+            )
+        )
+    assert time.time() - t0 < 120
+    d = e.value.diagnosis
+    assert "ladder" in d["reason"] and d["monitor"] == "nonfinite" and d["step"] == 5
+    assert d["remedies"] == ["skip_data", "lower_lr", "fp32_reduction"]
+    assert [h["remedy"] for h in d["rollbacks"]] == d["remedies"]
+    saved = json.loads((tmp_path / "diagnosis.json").read_text())
+    assert saved["reason"] == d["reason"]
+    assert kinds(events(tmp_path), "abort")
+
+
+def test_cli_exits_3_on_abort(tmp_path):
+    r = run_cli(
+        [
+            "stabilize-train",
+            *BASE,
+            "fault=nan_loss",
+            "fault.step=4",
+            "fault.persistent=true",
+            "rollback.ladder=[retry]",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+    )
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "stability abort" in r.stderr and "remedy ladder" in r.stderr
+
+
+def test_activation_drift_reaches_its_target_on_time_and_is_warned_before(tmp_path):
+    out = run(
+        compose_run(
+            tmp_path,
+            [
+                *BASE,
+                "trainer.max_steps=30",
+                "fault=activation_drift",
+                "fault.layer=0",
+                "fault.step=6",
+                "fault.target=2000",
+                "fault.target_step=26",
+                "rollback=off",
+                "monitor.activation.horizon=15",
+                "monitor.activation.window=8",
+                "monitor.activation.forecast_min=4",
+            ],
+        )
+    )
+    assert out["model_step"] == 30
+    rows = read_csv_metrics(tmp_path)
+    act = {int(r["train/step"]): r["act/h.0"] for r in rows if "act/h.0" in r}
+    # geometric path from the level at step 6 to 2000 at step 26: within 2x at the target
+    assert 1000 < act[26] < 4000, act
+    first_over = min(s for s, v in act.items() if v > 256)
+    assert 15 < first_over < 26
+    evs = events(tmp_path)
+    crossed = [e for e in evs if e["monitor"] == "activation" and e["layer"] == "h.0"]
+    warned = [e for e in evs if e["monitor"] == "forecast" and e["layer"] == "h.0"]
+    assert crossed and crossed[0]["step"] == first_over
+    assert warned and warned[0]["step"] < first_over  # the forecast came first
+
+
+def test_fp16_reduction_overflow_is_counted_as_dead_tokens(tmp_path):
+    run(
+        compose_run(
+            tmp_path,
+            [
+                *BASE,
+                "trainer.max_steps=16",
+                "norm=rmsnorm",
+                "norm.reduction_dtype=fp16",
+                "precision=fp16-mixed",
+                "fault=activation_drift",
+                "fault.layer=0",
+                "fault.step=4",
+                "fault.target=3000",
+                "fault.target_step=14",
+                "rollback=off",
+            ],
+        )
+    )
+    rows = read_csv_metrics(tmp_path)
+    over = [r["overflow/h.1.ln_1"] for r in rows if "overflow/h.1.ln_1" in r]
+    dead = [r["dead/h.1.ln_1"] for r in rows if "dead/h.1.ln_1" in r]
+    assert over[0] == 0 and max(over) > 0  # none at first, then the fp16 sum overflows
+    assert max(dead) > 0  # finite inputs whose rows came out as zeros
+    assert any(e["monitor"] == "overflow" for e in events(tmp_path))
+
+
+WRITER_ARGS = [
+    *BASE,
+    "trainer.max_steps=400",
+    "rollback.snapshot_every=1",
+    "rollback.durable_every=1",
+    "rollback.keep=2",
+]
+
+
+def test_sigkill_during_durable_snapshots_leaves_them_loadable(tmp_path):
+    import subprocess
+
+    env_run = {"STABILIZE_RUN_DIR": str(tmp_path)}
+    import os
+
+    env = {**os.environ, **env_run, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    p = subprocess.Popen(
+        ["stabilize-train", *WRITER_ARGS],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    snaps = tmp_path / "snapshots"
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(snaps.glob("snapshot-*.pt"))) < 5:
+        time.sleep(0.2)
+    time.sleep(0.37)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    files = sorted(snaps.glob("snapshot-*.pt"))
+    assert len(files) >= 5
+    for f in files:
+        s = load_durable(f)
+        assert s.state["model_step"] == s.step
+        assert all(torch.isfinite(v).all() for v in s.state["model"].values())
+
+
+@pytest.mark.parametrize(
+    "fault, monitor",
+    [
+        (["fault=nan_loss", "fault.step=6"], "nonfinite"),
+        (["fault=inf_grad", "fault.step=6", "fault.param=h.0.attn.c_attn.weight"], "nonfinite"),
+        (["fault=grad_spike", "fault.step=10", "fault.factor=1e4"], "grad_spike"),
+    ],
+)
+def test_torchrun_fault_on_rank_1_rolls_back_every_rank(fault, monitor, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [a for a in BASE if not a.startswith("trainer.progress")]
+    r = run_cli(
+        [
+            str(ROOT / "scripts" / "launch.sh"),
+            "--nproc-per-node",
+            "2",
+            *args,
+            "trainer.accelerator=cpu",
+            "trainer.max_steps=12",
+            *fault,
+            "fault.rank=1",
+        ],
+        cwd=tmp_path,
+        env={"STABILIZE_RUN_DIR": str(run_dir)},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    evs = events(run_dir)
+    step = int(fault[1].split("=")[1])
+    assert [
+        (e["monitor"], e["step"]) for e in kinds(evs, "rollback") if e["monitor"] != "rollback"
+    ] == [(monitor, step)]
+    rep = json.loads((run_dir / "replicas.json").read_text())
+    assert rep["identical"]  # rank 1's bad update was rolled back on every rank
+    assert [x["model_step"] for x in rep["ranks"]] == [12, 12]
+    assert len({x["data_step"] for x in rep["ranks"]}) == 1
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+    assert math.isfinite(float(ckpt["stabilize"]["model_step"]))
