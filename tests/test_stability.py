@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -261,3 +262,34 @@ def test_torchrun_fault_on_rank_1_rolls_back_every_rank(fault, monitor, tmp_path
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
     assert math.isfinite(float(ckpt["stabilize"]["model_step"]))
+
+
+class PoisonWeight(L.Callback):
+    """Sets one weight to NaN just before the forward of a chosen step (a test-only fault
+    that makes the forward itself go non-finite, at a known module)."""
+
+    def __init__(self, step, name):
+        self.step, self.name = step, name
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if pl_module.model_step + 1 == self.step and not getattr(self, "done", False):
+            self.done = True
+            with torch.no_grad():
+                dict(pl_module.model.named_parameters())[self.name].view(-1)[3] = float("nan")
+
+
+def test_nan_in_the_forward_is_localized_to_its_module_and_rolled_back(tmp_path):
+    out = run(compose_run(tmp_path, [*BASE, "logger=wandb"]),
+              callbacks=[PoisonWeight(8, "h.1.mlp.c_fc.weight")])
+    (fault,) = [e for e in kinds(events(tmp_path), "rollback") if e["monitor"] == "nonfinite"]
+    assert fault["step"] == 8
+    (loc,) = fault["extra"]["localization"]
+    assert loc["module"] == "h.1.mlp.c_fc" and loc["input_finite"] is True
+    assert out["model_step"] == 14
+    # the alert reached W&B (read back from the offline run file)
+    from stabilize.wandb_offline import find_offline_runs, read_offline_run
+
+    (w,) = find_offline_runs(tmp_path / "wandb")
+    alerts = read_offline_run(w).alerts
+    assert any("nonfinite" in a["title"] for a in alerts)
+    assert any("rolled back from step 8" in a["text"] for a in alerts)

@@ -75,6 +75,10 @@ class GPTLitModule(L.LightningModule):
         self._loss: torch.Tensor | None = None  # last micro-batch loss, logged on log steps
         self._batch_step: int | None = None  # the data step the incoming batch was drawn for
         self.stale_batch = False  # set per batch in on_before_batch_transfer
+        self.step_loss: torch.Tensor | None = None  # sum over this step's micro-batches
+        self.skip_step = False  # set by the stability callback: this step is not applied
+        self._grad_norm_at = -1
+        self._batches_seen = 0  # every batch trained on, never rewound (a cache key)
         # Set by the stability callback; remedies persist in checkpoints.
         self.injector = None
         self.lr_scale = 1.0
@@ -149,8 +153,12 @@ class GPTLitModule(L.LightningModule):
         loss = self.loss(batch)
         if self.injector is not None:
             loss = self.injector.on_loss(self.model_step + 1, loss)
+        if self.data_step % self.cfg.optim.accumulate_grad_batches == 0:
+            self.step_loss = None  # the first micro-batch of an optimizer step
         self.data_step += 1
+        self._batches_seen += 1
         self._loss = loss.detach()
+        self.step_loss = self._loss if self.step_loss is None else self.step_loss + self._loss
         return loss
 
     def on_after_backward(self):
@@ -165,17 +173,32 @@ class GPTLitModule(L.LightningModule):
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ):
-        """One total-norm computation per step, reused for clipping and for the logs."""
+        """Clip with the step's one total-norm computation (see grad_total_norm)."""
         max_norm = self.cfg.optim.grad_clip
-        fsdp = hasattr(self.trainer.strategy.model, "clip_grad_norm_")
-        if fsdp:  # FSDP shards the gradients: only it can compute the global norm
-            self.grad_norm = self.trainer.strategy.model.clip_grad_norm_(max_norm or math.inf)
+        norm = self.grad_total_norm()
+        if max_norm <= 0:
             return
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if max_norm > 0:
-            params = [p for p in self.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, self.grad_norm, foreach=True)
+        if hasattr(self.trainer.strategy.model, "clip_grad_norm_"):  # FSDP: sharded grads
+            self.trainer.strategy.model.clip_grad_norm_(max_norm)
+            return
+        params = [p for p in self.parameters() if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+
+    def grad_total_norm(self) -> torch.Tensor:
+        """The pre-clip global gradient norm of this optimizer step, computed once (foreach
+        path) and shared by the monitors, the clipping and the logs. A device tensor."""
+        if self._grad_norm_at == self._batches_seen and self.grad_norm is not None:
+            return self.grad_norm
+        fsdp = getattr(self.trainer.strategy.model, "clip_grad_norm_", None)
+        if fsdp is not None:  # only FSDP can see the whole of its sharded gradients
+            self.grad_norm = fsdp(math.inf)  # clip at inf: just the norm
+        else:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            self.grad_norm = (torch.nn.utils.get_total_norm(grads, foreach=True) if grads
+                              else torch.zeros((), device=self.device))
+        self._grad_norm_at = self._batches_seen
+        return self.grad_norm
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
         if self.stale_batch:
@@ -185,6 +208,9 @@ class GPTLitModule(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
             return
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.skip_step:  # judged bad before it was applied: the rollback restores
+            self.skip_step = False
+            return
         self.model_step += 1
 
     def on_train_batch_end(self, outputs, batch, batch_idx):

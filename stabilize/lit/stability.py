@@ -59,9 +59,9 @@ class StabilityCallback(L.Callback):
         self.probe: StabilityProbe | None = None
         self.injector: FaultInjector | None = None
         self.last: StepStats | None = None
+        self._pending: tuple | None = None
+        self._batch = None
         self.counts = {"warn": 0, "skip": 0, "rollback": 0}
-        self._loss: torch.Tensor | None = None
-        self._prev_scale: float | None = None
         self._base_lrs: list[float] | None = None
 
     # ---- set-up -------------------------------------------------------------------------
@@ -82,80 +82,118 @@ class StabilityCallback(L.Callback):
             self._snapshot(trainer, pl_module)  # a floor to return to, before any step
 
     # ---- per step -----------------------------------------------------------------------
+    # The verdict is reached in on_before_optimizer_step: gradients are unscaled and the
+    # loss known, but nothing is applied yet. A bad step is then made a no-op (gradients
+    # dropped, as torchtitan stops before the optimizer), so the weights the localization
+    # replays and the snapshot ring never see it; the restore itself waits for
+    # on_train_batch_end, after Lightning's step / scaler update / scheduler bookkeeping.
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if pl_module.data_step % self.accumulate == 0:
-            if self.probe is not None:
-                self.probe.reset()
-            self._loss = None
+        if pl_module.data_step % self.accumulate == 0 and self.probe is not None:
+            self.probe.reset()
+        self._batch = batch
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if pl_module.stale_batch:  # fetched before a rollback: not trained on
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if pl_module.stale_batch:
             return
-        loss = outputs["loss"].detach().float()
-        self._loss = loss if self._loss is None else self._loss + loss
-        if pl_module.data_step % self.accumulate:
-            return  # mid-accumulation: the optimizer has not stepped
-        stats = self._gather(trainer, pl_module)
+        stats = self._gather(trainer, pl_module, optimizer)
         events = self.suite.update(stats)
         if self.injector is not None:
-            layer = f"h.{self.fcfg.layer}"
-            self.injector.steer(stats.step + 1, stats.act_max.get(layer))
+            self.injector.steer(stats.step + 1, stats.act_max.get(f"h.{self.fcfg.layer}"))
         self.last = stats
+        bad = [e for e in events if e.kind == ROLLBACK]
+        if bad and self.rcfg.enabled:
+            if bad[0].monitor == "nonfinite":
+                bad[0].extra["localization"] = self._localize(trainer, pl_module)
+            optimizer.zero_grad(set_to_none=True)  # nothing of this step is applied
+            pl_module.skip_step = True
+        self._pending = (stats, events, bad[0] if bad and self.rcfg.enabled else None)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.stale_batch or self._pending is None:
+            return  # a stale batch, or mid-accumulation: no optimizer step was judged
+        stats, events, fault = self._pending
+        self._pending = None
         if trainer.global_step % trainer.log_every_n_steps == 0:
             self._log_stats(pl_module, stats)
         for e in events:
             self._emit(trainer, e)
-        rollbacks = [e for e in events if e.kind == ROLLBACK]
-        if rollbacks and self.rcfg.enabled:
-            self._rollback(trainer, pl_module, rollbacks[0])
-        elif self.rcfg.enabled and stats.step % self.rcfg.snapshot_every == 0:
+        if fault is not None:
+            self._rollback(trainer, pl_module, fault)
+        elif self.rcfg.enabled and pl_module.model_step % self.rcfg.snapshot_every == 0:
             self._snapshot(trainer, pl_module)
 
-    def _gather(self, trainer, pl_module) -> StepStats:
+    def _gather(self, trainer, pl_module, optimizer) -> StepStats:
         """One vector, one collective, one host transfer."""
         dev = pl_module.device
         nan = torch.tensor(float("nan"), device=dev)
+        minus1 = torch.tensor(-1.0, device=dev)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         scale = getattr(scaler, "_scale", None) if scaler is not None else None
-        head = torch.stack(
-            [
-                (self._loss / self.accumulate) if self._loss is not None else nan,
-                pl_module.grad_norm.float() if pl_module.grad_norm is not None else nan,
-                scale.float().reshape(()) if scale is not None else torch.tensor(-1.0, device=dev),
-            ]
-        )
+        found_inf = minus1
+        if scale is not None:
+            # after unscale_: the scaler will skip this step if any gradient is inf/NaN
+            per_dev = scaler._found_inf_per_device(optimizer)
+            if per_dev:
+                found_inf = sum(v.float().sum() for v in per_dev.values()).reshape(())
+        loss = pl_module.step_loss
+        head = torch.stack([
+            (loss.float() / self.accumulate) if loss is not None else nan,
+            pl_module.grad_total_norm().float().reshape(()),
+            scale.float().reshape(()) if scale is not None else minus1,
+            found_inf,
+        ])
         if self.probe is not None:
             maxima, counts = self.probe.vector(dev)
         else:
             maxima = counts = torch.zeros(0, device=dev)
         vec = torch.cat([head, maxima.float(), counts.float()])
+        nh, nm = head.numel(), maxima.numel()
         if trainer.world_size > 1:
             out = torch.empty(trainer.world_size * vec.numel(), device=dev)
             torch.distributed.all_gather_into_tensor(out, vec)
             out = out.view(trainer.world_size, vec.numel())  # [W, K]
-            nh, nm = head.numel(), maxima.numel()
             # loss: the mean over ranks (NaN anywhere stays NaN); maxima: max; counts: sum
-            vec = torch.cat(
-                [out[:, :1].mean(0), out[:, 1 : nh + nm].amax(0), out[:, nh + nm :].sum(0)]
-            )
+            vec = torch.cat([out[:, :1].mean(0), out[:, 1:nh + nm].amax(0),
+                             out[:, nh + nm:].sum(0)])
         host = vec.cpu().tolist()  # the one host sync of the step
-        loss, gnorm, sc = host[0], host[1], host[2]
-        nm = maxima.numel()
-        named = self.probe.unpack(host[3 : 3 + nm], host[3 + nm :]) if self.probe else {}
-        scale_v = sc if sc >= 0 else None
-        skipped = (
-            scale_v is not None and self._prev_scale is not None and scale_v < self._prev_scale
-        )
-        self._prev_scale = scale_v
-        grad_norm = None if pl_module.grad_norm is None else gnorm
-        return StepStats(
-            step=pl_module.model_step,
-            loss=loss,
-            grad_norm=grad_norm,
-            loss_scale=scale_v,
-            scaler_skipped=skipped,
-            **named,
-        )
+        loss_v, gnorm, sc, inf = host[:nh]
+        named = self.probe.unpack(host[nh:nh + nm], host[nh + nm:]) if self.probe else {}
+        return StepStats(step=pl_module.model_step + 1, loss=loss_v, grad_norm=gnorm,
+                         loss_scale=sc if sc >= 0 else None, scaler_skipped=inf > 0, **named)
+
+    def _localize(self, trainer, pl_module) -> list[dict[str, Any]]:
+        """Replay this step's forward (weights not yet updated) with a hook on every module;
+        report the first module, in execution order, whose output was non-finite, and
+        whether its input already was. Only on a NaN event: healthy steps pay nothing."""
+        model = pl_module.model
+        names = {m: n for n, m in model.named_modules()}
+        first: dict[str, Any] = {}
+
+        def finite(t):
+            ts = [t] if isinstance(t, torch.Tensor) else [x for x in t
+                                                           if isinstance(x, torch.Tensor)]
+            return all(bool(torch.isfinite(x).all()) for x in ts if x.is_floating_point())
+
+        def hook(module, args, out):
+            if not first and not finite(out):
+                first.update(module=names[module] or "model", input_finite=finite(args))
+
+        handles = [m.register_forward_hook(hook) for m in model.modules()]
+        try:
+            x, _y = self._batch
+            with torch.no_grad(), trainer.precision_plugin.forward_context():
+                model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        mine = first or {"module": None, "note": "the forward was finite: the non-finite "
+                                                 "value arose in the loss or after it"}
+        mine["rank"] = trainer.global_rank
+        if trainer.world_size == 1:
+            return [mine]
+        every: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(every, mine)
+        return every
 
     # ---- logging ------------------------------------------------------------------------
     def _log_stats(self, pl_module, s: StepStats) -> None:
@@ -225,7 +263,6 @@ class StabilityCallback(L.Callback):
         sched.load_state_dict(st["scheduler"])
         if scaler is not None and st["scaler"] is not None:
             scaler.load_state_dict(st["scaler"])
-            self._prev_scale = None
         self.suite.load_state_dict(st["monitors"])
         if self.injector is not None and st["fault"] is not None:
             if self.fcfg.persistent:
