@@ -322,3 +322,24 @@ def test_cuda_reduction_knob_under_autocast(backend):  # pragma: no cover - GPU 
         y = norm32(x)
     ref = ref_norm("rmsnorm", x.cpu(), norm32.weight.detach().cpu(), None, 1e-5)
     assert rel_err(y.cpu(), ref) < 2e-3
+
+
+def test_fp16_reduction_backward_overflows_for_small_activations_and_eps_guards_it():
+    """Measured while building the monitors: d rsqrt(ms)/d ms = -ms^-1.5 / 2 passes fp16's
+    65504 once ms < ~3.8e-4 (row RMS below ~0.02, typical at init), so the *backward* of an
+    fp16 reduction goes inf/NaN with a perfectly finite forward. A larger eps bounds ms from
+    below: eps = 1e-3 keeps ms^-1.5 <= 31623 (hand-computed)."""
+    torch.manual_seed(6)
+    x = 0.01 * torch.randn(4, 64)
+    results = {}
+    for red, eps in (("fp16", 1e-5), ("fp16", 1e-3), ("fp32", 1e-5)):
+        norm = build_norm(
+            64, NormConfig(type="rmsnorm", backend="explicit", reduction_dtype=red, eps=eps)
+        )
+        xh = x.half().requires_grad_()
+        y = norm(xh)
+        y.float().backward(torch.randn(4, 64))
+        results[(red, eps)] = (torch.isfinite(y).all().item(), torch.isfinite(xh.grad).all().item())
+    assert results[("fp16", 1e-5)] == (True, False)  # finite forward, broken backward
+    assert results[("fp16", 1e-3)] == (True, True)
+    assert results[("fp32", 1e-5)] == (True, True)

@@ -279,8 +279,10 @@ class PoisonWeight(L.Callback):
 
 
 def test_nan_in_the_forward_is_localized_to_its_module_and_rolled_back(tmp_path):
-    out = run(compose_run(tmp_path, [*BASE, "logger=wandb"]),
-              callbacks=[PoisonWeight(8, "h.1.mlp.c_fc.weight")])
+    out = run(
+        compose_run(tmp_path, [*BASE, "logger=wandb"]),
+        callbacks=[PoisonWeight(8, "h.1.mlp.c_fc.weight")],
+    )
     (fault,) = [e for e in kinds(events(tmp_path), "rollback") if e["monitor"] == "nonfinite"]
     assert fault["step"] == 8
     (loc,) = fault["extra"]["localization"]
@@ -293,3 +295,23 @@ def test_nan_in_the_forward_is_localized_to_its_module_and_rolled_back(tmp_path)
     alerts = read_offline_run(w).alerts
     assert any("nonfinite" in a["title"] for a in alerts)
     assert any("rolled back from step 8" in a["text"] for a in alerts)
+
+
+@pytest.mark.slow
+def test_monitors_see_the_same_numbers_under_torch_compile(tmp_path):
+    common = [*BASE, "trainer.max_steps=3", "norm=rmsnorm", "norm.backend=explicit"]
+    run(compose_run(tmp_path / "eager", common))
+    run(compose_run(tmp_path / "compiled", [*common, "trainer.compile=true"]))
+    a, b = read_csv_metrics(tmp_path / "eager"), read_csv_metrics(tmp_path / "compiled")
+    for key in ("act/h.0", "act/h.1.ln_1", "rms/h.1.ln_1", "attn_logit/h.0.attn"):
+        va, vb = series(a, key), series(b, key)
+        assert va and va.keys() == vb.keys(), key
+        for s in va:
+            assert vb[s] == pytest.approx(va[s], rel=1e-3), (key, s)
+
+
+def test_compile_refuses_a_16_bit_reduction_it_would_silently_upcast(tmp_path):
+    with pytest.raises(
+        ValueError, match="trainer.compile=true is not allowed with norm.reduction_dtype='fp16'"
+    ):
+        compose_run(tmp_path, ["trainer.compile=true", "norm.reduction_dtype=fp16"])

@@ -83,6 +83,7 @@ class TrainerConfig:
     strategy: str = "auto"
     deterministic: bool = False
     progress: str = "auto"  # rich in a terminal, plain lines otherwise
+    compile: bool = False  # torch.compile the model (monitor hooks are traced with it)
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "log_every_n_steps", "val_check_interval", "num_nodes"):
@@ -147,6 +148,16 @@ class RunConfig:
             ("fault", FaultConfig),
         ):
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
+
+        red = self.model.norm.reduction_dtype
+        sixteen = red in ("bf16", "fp16") or (red == "input" and self.precision.name == "bf16-true")
+        if self.trainer.compile and sixteen:
+            raise ValueError(
+                f"trainer.compile=true is not allowed with norm.reduction_dtype={red!r} "
+                f"(precision={self.precision.name!r}): inductor computes 16-bit math in fp32, "
+                f"so the reduction would silently not be 16-bit; allowed with compile: "
+                f"['fp32', 'input' with fp32 activations]"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:

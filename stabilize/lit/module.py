@@ -84,6 +84,13 @@ class GPTLitModule(L.LightningModule):
         self.lr_scale = 1.0
         self.remedies: list[str] = []
 
+    def configure_model(self) -> None:
+        # After the callbacks' setup: the probe's and the faults' hooks are already on the
+        # modules, so dynamo traces them into the compiled graph.
+        if self.cfg.trainer.compile and not getattr(self, "_compiled", False):
+            self.model.compile()
+            self._compiled = True
+
     # ---- data ---------------------------------------------------------------------------
     def _loaders(self):
         """Both loaders, built once per data position (the corpus is tokenized once)."""
@@ -195,8 +202,11 @@ class GPTLitModule(L.LightningModule):
             self.grad_norm = fsdp(math.inf)  # clip at inf: just the norm
         else:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
-            self.grad_norm = (torch.nn.utils.get_total_norm(grads, foreach=True) if grads
-                              else torch.zeros((), device=self.device))
+            self.grad_norm = (
+                torch.nn.utils.get_total_norm(grads, foreach=True)
+                if grads
+                else torch.zeros((), device=self.device)
+            )
         self._grad_norm_at = self._batches_seen
         return self.grad_norm
 

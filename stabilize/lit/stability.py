@@ -136,12 +136,14 @@ class StabilityCallback(L.Callback):
             if per_dev:
                 found_inf = sum(v.float().sum() for v in per_dev.values()).reshape(())
         loss = pl_module.step_loss
-        head = torch.stack([
-            (loss.float() / self.accumulate) if loss is not None else nan,
-            pl_module.grad_total_norm().float().reshape(()),
-            scale.float().reshape(()) if scale is not None else minus1,
-            found_inf,
-        ])
+        head = torch.stack(
+            [
+                (loss.float() / self.accumulate) if loss is not None else nan,
+                pl_module.grad_total_norm().float().reshape(()),
+                scale.float().reshape(()) if scale is not None else minus1,
+                found_inf,
+            ]
+        )
         if self.probe is not None:
             maxima, counts = self.probe.vector(dev)
         else:
@@ -153,13 +155,20 @@ class StabilityCallback(L.Callback):
             torch.distributed.all_gather_into_tensor(out, vec)
             out = out.view(trainer.world_size, vec.numel())  # [W, K]
             # loss: the mean over ranks (NaN anywhere stays NaN); maxima: max; counts: sum
-            vec = torch.cat([out[:, :1].mean(0), out[:, 1:nh + nm].amax(0),
-                             out[:, nh + nm:].sum(0)])
+            vec = torch.cat(
+                [out[:, :1].mean(0), out[:, 1 : nh + nm].amax(0), out[:, nh + nm :].sum(0)]
+            )
         host = vec.cpu().tolist()  # the one host sync of the step
         loss_v, gnorm, sc, inf = host[:nh]
-        named = self.probe.unpack(host[nh:nh + nm], host[nh + nm:]) if self.probe else {}
-        return StepStats(step=pl_module.model_step + 1, loss=loss_v, grad_norm=gnorm,
-                         loss_scale=sc if sc >= 0 else None, scaler_skipped=inf > 0, **named)
+        named = self.probe.unpack(host[nh : nh + nm], host[nh + nm :]) if self.probe else {}
+        return StepStats(
+            step=pl_module.model_step + 1,
+            loss=loss_v,
+            grad_norm=gnorm,
+            loss_scale=sc if sc >= 0 else None,
+            scaler_skipped=inf > 0,
+            **named,
+        )
 
     def _localize(self, trainer, pl_module) -> list[dict[str, Any]]:
         """Replay this step's forward (weights not yet updated) with a hook on every module;
@@ -170,8 +179,11 @@ class StabilityCallback(L.Callback):
         first: dict[str, Any] = {}
 
         def finite(t):
-            ts = [t] if isinstance(t, torch.Tensor) else [x for x in t
-                                                           if isinstance(x, torch.Tensor)]
+            ts = (
+                [t]
+                if isinstance(t, torch.Tensor)
+                else [x for x in t if isinstance(x, torch.Tensor)]
+            )
             return all(bool(torch.isfinite(x).all()) for x in ts if x.is_floating_point())
 
         def hook(module, args, out):
@@ -186,8 +198,10 @@ class StabilityCallback(L.Callback):
         finally:
             for h in handles:
                 h.remove()
-        mine = first or {"module": None, "note": "the forward was finite: the non-finite "
-                                                 "value arose in the loss or after it"}
+        mine = first or {
+            "module": None,
+            "note": "the forward was finite: the non-finite value arose in the loss or after it",
+        }
         mine["rank"] = trainer.global_rank
         if trainer.world_size == 1:
             return [mine]

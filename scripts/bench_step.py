@@ -1,0 +1,274 @@
+"""Training tokens/s through the Lightning loop vs a bare PyTorch loop, on the same model.
+
+Each config (``tiny``; ``small`` = tiny with 4 layers) is composed with Hydra as the CLI
+does it and trained two ways in this process, on the same seed, model and batches:
+
+- lightning: ``stabilize.train.run(cfg)`` with what a real run has on: CSV logger, W&B
+  offline (run dir in a temp dir), ThroughputLogger, periodic checkpoints at the default
+  interval (fsynced), gradient clipping, LR schedule, logs every 10 steps, plain progress
+  lines (muted). Validation is OFF (``limit_val_batches=0``): it is evaluation, not training
+  throughput, and the bare loop has nothing to match it (it would add ~3% at the defaults).
+- bare: ``GPT`` from the same GPTConfig, the same train DataLoader (``build_dataloaders``),
+  AdamW on ``param_groups``, ``lr_factor`` via LambdaLR, ``get_total_norm`` +
+  ``clip_grads_with_norm_``, the same precision (autocast; for fp16-mixed a GradScaler,
+  unscaled before clipping, as Lightning's MixedPrecision plugin does).
+  Both end at the same loss (printed per run): the same work is timed.
+
+Timing: both paths stamp ``perf_counter`` after every optimizer step (Lightning: a callback
+passed with ``run(cfg, callbacks=...)``; its ``on_train_batch_end`` runs after the LR
+scheduler step and before the checkpoint callback, which Lightning orders last).
+tokens/s = tokens of steps (warmup, warmup + steps] / (t[warmup + steps] - t[warmup]): start-up
+(Trainer, W&B, tokenizing) and the first slow steps are out; the window holds the same steps
+plus what Lightning adds, at the defaults (10 + 100) exactly one periodic checkpoint and ten
+log flushes, i.e. their amortised cost. This is fairer than differencing the wall time of two
+runs (their LR schedules and checkpoint counts differ) and finer than the logged
+``perf/tokens_per_s``, shown as a cross-check ("logged": harmonic mean of the CSV's values).
+
+Pairs (bare, lightning) repeat with the order alternating; medians per path are reported,
+and the verdict is the median per-pair ratio lightning/bare (target >= 0.95). On a busy
+2-core machine two OpenMP threads stall whenever another job holds a core (steps 5-10x
+slower): the header prints the load average; use --threads 1 there.
+
+Usage: python scripts/bench_step.py [--quick] [--steps 100] [--repeats 3]
+       [--configs tiny,small] [--precision fp32|bf16-mixed|fp16-mixed] [--threads N]
+       [--set monitor=off rollback=off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+os.environ["WANDB_MODE"] = "offline"  # before wandb is imported; never the network
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import wandb  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runnable from a bare checkout
+import stabilize.train as train  # noqa: E402  (registers the config's resolvers)
+from stabilize.data import build_dataloaders  # noqa: E402
+from stabilize.lit.build import resolve_accelerator  # noqa: E402
+from stabilize.lit.callbacks import PlainProgress  # noqa: E402
+from stabilize.lit.config import RunConfig  # noqa: E402
+from stabilize.lit.module import lr_factor, param_groups  # noqa: E402
+from stabilize.model import GPT  # noqa: E402
+
+CONFIGS = {
+    "tiny": ["model=tiny"],
+    "small": ["model=tiny", "model.n_layer=4"],  # twice tiny's depth: ~2x its step time
+}
+AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+TARGET = 0.95
+
+
+def compose_cfg(run_dir: str, overrides: list[str]) -> RunConfig:
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"run_dir={run_dir}", *overrides])
+    return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+
+
+class StepClock(L.Callback):
+    """perf_counter after every optimizer step, keyed by global_step (device synced at the
+    two window edges only, so a GPU run is not slowed by it)."""
+
+    def __init__(self, edges: tuple[int, int]):
+        self.edges, self.t = edges, {}
+
+    def on_train_start(self, trainer, pl_module):
+        for cb in trainer.callbacks:  # PlainProgress bound sys.stdout at import: mute it here
+            if isinstance(cb, PlainProgress):
+                cb.stream = io.StringIO()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step in self.edges and pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.t[step] = time.perf_counter()
+
+
+def lightning_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float, float | None]:
+    """(step -> time, final train/loss, tokens/s the run itself logged)."""
+    clock = StepClock(edges)
+    with contextlib.redirect_stdout(io.StringIO()):  # W&B chatter
+        out = train.run(cfg, callbacks=[clock])
+    wandb.teardown()  # stop W&B's service process: it must not run during a bare pass
+    logged = [
+        float(row["perf/tokens_per_s"])
+        for f in Path(cfg.run_dir).glob("csv/version_*/metrics.csv")
+        for row in csv.DictReader(f.read_text().splitlines())
+        if row.get("perf/tokens_per_s")
+    ]
+    tps = statistics.harmonic_mean(logged) if logged else None
+    return clock.t, out["metrics"]["train/loss"], tps
+
+
+def bare_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float]:
+    """(step -> time, final loss)."""
+    L.seed_everything(cfg.seed, workers=True, verbose=False)  # as run() does
+    device = torch.device(resolve_accelerator(cfg.trainer.accelerator))
+    model = GPT(cfg.model).to(device).train()
+    o, total = cfg.optim, cfg.trainer.max_steps
+    opt = torch.optim.AdamW(
+        param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, o, total))
+    loader, _ = build_dataloaders(
+        cfg.data, cfg.model.block_size, num_steps=total, val_batches=cfg.trainer.limit_val_batches
+    )
+    dtype = AUTOCAST[cfg.precision.name]
+    scaler = None
+    if cfg.precision.name == "fp16-mixed":
+        p = cfg.precision
+        scaler = torch.amp.GradScaler(
+            device.type, init_scale=p.init_scale, growth_interval=p.growth_interval
+        )
+    params, t = list(model.parameters()), {}
+    for step, (x, y) in enumerate(loader, start=1):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            logits = model(x)  # [B, T, V]
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if o.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, o.grad_clip, norm, foreach=True)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        sched.step()
+        if step in edges and device.type == "cuda":
+            torch.cuda.synchronize()
+        t[step] = time.perf_counter()
+    return t, loss.item()
+
+
+def bench(name: str, args, tmp: Path) -> dict:
+    warm, total = args.warmup, args.warmup + args.steps
+    overrides = [
+        *CONFIGS[name],
+        f"precision={args.precision}",
+        f"trainer.max_steps={total}",
+        "trainer.limit_val_batches=0",
+        "trainer.progress=plain",
+        "logger=wandb",
+        *args.set,
+    ]
+    rates: dict[str, list[float]] = {"bare": [], "lightning": []}
+    ratios, logged = [], []
+    for r in range(args.repeats):
+        pair = {}
+        for path in ("bare", "lightning") if r % 2 == 0 else ("lightning", "bare"):
+            cfg = compose_cfg(str(tmp / f"{name}-{r}-{path}"), overrides)
+            if path == "bare":
+                t, loss = bare_path(cfg, (warm, total))
+            else:
+                t, loss, tps = lightning_path(cfg, (warm, total))
+                logged.append(tps)
+            tokens = args.steps * cfg.data.batch_size * cfg.model.block_size
+            pair[path] = tokens / (t[total] - t[warm])
+            rates[path].append(pair[path])
+            # the same work: both paths end at the same loss (to float rounding)
+            print(f"  {name} #{r} {path:9s} {pair[path]:7.0f} tok/s  loss {loss:.4f}", flush=True)
+        ratios.append(pair["lightning"] / pair["bare"])
+    every = cfg.trainer.checkpoint_every_n_steps
+    return {
+        "name": name,
+        "tokens": cfg.data.batch_size * cfg.model.block_size,
+        "params": sum(p.numel() for p in GPT(cfg.model).parameters()),
+        "ckpts": total // every - warm // every,
+        "rates": rates,
+        "ratios": ratios,
+        "logged": [v for v in logged if v is not None],
+    }
+
+
+def report(results: list[dict], args) -> None:
+    def span(xs, fmt="{:.0f}"):
+        return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+    print(
+        f"\n{args.precision}, {args.steps} timed steps after {args.warmup}, {args.repeats} "
+        f"pairs, {torch.get_num_threads()} torch threads, load average {args.load:.1f} at start "
+        f"on {os.cpu_count()} cores; tok/s: median (min-max)\n"
+    )
+    print(
+        "| config | params | tok/step | bare tok/s | lightning tok/s | logged tok/s | bare ms/step "
+        "| lightning ms/step | overhead ms/step | ckpts in window | ratio L/bare |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for res in results:
+        b, lt = res["rates"]["bare"], res["rates"]["lightning"]
+        ms = [1000 * res["tokens"] / statistics.median(x) for x in (b, lt)]
+        logged = f"{statistics.median(res['logged']):.0f}" if res["logged"] else "-"
+        print(
+            f"| {res['name']} | {res['params'] / 1e6:.2f}M | {res['tokens']} | {span(b)} "
+            f"| {span(lt)} | {logged} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[1] - ms[0]:+.1f} "
+            f"| {res['ckpts']} | {span(res['ratios'], '{:.3f}')} |"
+        )
+    print()
+    for res in results:
+        ratio = statistics.median(res["ratios"])
+        verdict = "PASS" if ratio >= TARGET else "FAIL"
+        print(f"target {res['name']}: lightning/bare = {ratio:.3f} (>= {TARGET}) {verdict}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny only, 2 pairs (< 90 s)")
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    ap.add_argument("--repeats", type=int, default=3, help="(bare, lightning) pairs")
+    ap.add_argument("--configs", default="tiny,small", help=f"of {sorted(CONFIGS)}")
+    ap.add_argument("--precision", default="fp32", choices=sorted(AUTOCAST))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Hydra overrides for both paths, e.g. monitor=off rollback=off "
+        "(the training loop alone; the defaults include the monitors)",
+    )
+    args = ap.parse_args()
+    if args.quick:
+        args.configs, args.repeats = "tiny", 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = args.configs.split(",")
+    for n in names:
+        if n not in CONFIGS:
+            ap.error(f"--configs: {n!r} is not one of {sorted(CONFIGS)}")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"lightning\..*")
+    args.load = os.getloadavg()[0]  # > cores - threads: other jobs stall the OpenMP threads
+    with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
+        results = [bench(n, args, Path(tmp)) for n in names]
+    report(results, args)
+
+
+if __name__ == "__main__":
+    main()
