@@ -141,20 +141,25 @@ def norm_stats(x: torch.Tensor, ms: torch.Tensor | None, kind: str) -> torch.Ten
     A row *overflowed* when its statistic is inf; it *collapsed* when it overflowed although
     its input was finite: x * rsqrt(inf) = 0, a dead token with a zero gradient. Fused
     backends reduce in fp32, so only a non-finite input can overflow them (and that row
-    turns NaN, not zero); their RMS is not computed (-1).
+    turns NaN, not zero): for them "overflowed" is 1 when any input is non-finite, and the
+    RMS is not computed (-1).
     """
     with torch.no_grad():
-        rowmax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1)  # one read pass, [...]
-        finite = torch.isfinite(rowmax)
         if ms is None:
-            over = (~finite).sum()
-            dead = torch.zeros_like(over)
-            rms = torch.full((), -1.0, device=x.device)
-        else:
-            bad = torch.isinf(ms.squeeze(-1))
-            over, dead = bad.sum(), (bad & finite).sum()
-            mean_sq = ms.float().amax() / (x.shape[-1] if kind == "scalenorm" else 1)
-            rms = mean_sq.sqrt()
+            # fused backends reduce in fp32: only a non-finite input breaks them (and that
+            # row turns NaN, which the NaN monitor sees); one aminmax pass, no per-row work
+            absmax = torch.maximum(x.amax(), -x.amin())  # 2x faster than aminmax on CPU
+            over = (~torch.isfinite(absmax)).float()  # 1: some row had a non-finite input
+            return torch.stack(
+                [absmax.float(), over, torch.zeros_like(over), torch.full_like(over, -1.0)]
+            )
+        # |x| max per row as max(max x, -min x): on CPU 6-13x faster than
+        # vector_norm(ord=inf) (measured by scripts/bench_monitors.py); NaN propagates
+        rowmax = torch.maximum(x.amax(-1), -x.amin(-1))  # [...]
+        bad = torch.isinf(ms.squeeze(-1))
+        over, dead = bad.sum(), (bad & torch.isfinite(rowmax)).sum()
+        mean_sq = ms.float().amax() / (x.shape[-1] if kind == "scalenorm" else 1)
+        rms = mean_sq.sqrt()
         return torch.stack([rowmax.amax().float(), over.float(), dead.float(), rms.float()])
 
 

@@ -42,3 +42,51 @@ def test_bench_norms_smoke(tmp_path):
     assert "n/a: NVIDIA apex is not importable" in out
     assert "## Targets" in out and "T1 fp16 64x128 auto rmsnorm vs F.layer_norm" in out
     assert md.read_text().count("\n|") >= 10
+
+
+def test_bench_step_smoke(tmp_path):
+    r = run_cli(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_step.py"),
+            "--configs",
+            "tiny",
+            "--steps",
+            "3",
+            "--warmup",
+            "2",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| tiny |" in r.stdout and "lightning" in r.stdout.lower()
+
+
+def test_bench_monitors_smoke(tmp_path):
+    r = run_cli(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_monitors.py"),
+            "--configs",
+            "tiny",
+            "--steps",
+            "3",
+            "--warmup",
+            "2",
+            "--repeats",
+            "1",
+            "--reps",
+            "1",
+            "--threads",
+            "1",
+            "--logger",
+            "none",
+        ],
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| tiny |" in r.stdout and "restore from memory" in r.stdout

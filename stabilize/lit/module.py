@@ -224,7 +224,8 @@ class GPTLitModule(L.LightningModule):
         self.model_step += 1
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        if self.trainer.global_step % self.trainer.log_every_n_steps:
+        last = self.model_step >= self.cfg.trainer.max_steps  # the final step is always logged
+        if self.trainer.global_step % self.trainer.log_every_n_steps and not last:
             return
         stats = {
             "train/step": float(self.model_step),

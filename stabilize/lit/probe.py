@@ -27,6 +27,9 @@ class StabilityProbe:
         self.norms = [n for n, m in model.named_modules() if isinstance(m, Norm)]
         self.attn = [f"h.{i}.attn" for i in range(len(model.h))]
         self._handles = []
+        # The attention bound is logged, not judged: the callback asks for it only on the
+        # steps it logs (two passes over q and k otherwise spent every step).
+        self.detailed = True
         self._block_max: list[torch.Tensor | None] = [None] * len(self.blocks)
         self._norm: list[torch.Tensor | None] = [None] * len(self.norms)
         self._attn: list[torch.Tensor | None] = [None] * len(self.attn)
@@ -45,7 +48,8 @@ class StabilityProbe:
         def hook(module, args, out):
             if module.training:
                 with torch.no_grad():
-                    v = torch.linalg.vector_norm(out, ord=math.inf).float()
+                    # max(max x, -min x): on CPU ~10x faster than an ord=inf norm
+                    v = torch.maximum(out.amax(), -out.amin()).float()
                     prev = self._block_max[i]
                     self._block_max[i] = v if prev is None else torch.maximum(prev, v)
 
@@ -53,7 +57,7 @@ class StabilityProbe:
 
     def _q_hook(self, i):
         def hook(module, args, out):  # out: [B, H, T, hd]
-            if module.training:
+            if module.training and self.detailed:
                 with torch.no_grad():
                     self._q[i] = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))
 
@@ -61,7 +65,7 @@ class StabilityProbe:
 
     def _k_hook(self, i):
         def hook(module, args, out):
-            if module.training and self._q[i] is not None:
+            if module.training and self.detailed and self._q[i] is not None:
                 with torch.no_grad():
                     kn = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))  # [H]
                     v = (self._q[i] * kn).amax() / math.sqrt(out.shape[-1])
@@ -91,6 +95,7 @@ class StabilityProbe:
 
     # ---- the step's vector ------------------------------------------------------------------
     def reset(self) -> None:
+        self._q = [None] * len(self.attn)
         self._block_max = [None] * len(self.blocks)
         self._norm = [None] * len(self.norms)
         self._attn = [None] * len(self.attn)

@@ -18,6 +18,7 @@ class ActivationConfig:
     horizon: int = 100  # forecast warning: crossing expected within this many steps
     window: int = 32  # steps in the forecast's robust fit
     forecast_min: float = 8.0  # no forecast warning below this |x| max
+    forecast_every: int = 10  # refit the forecast every N steps
     on_overflow: str = "warn"  # warn | rollback, when a norm's reduction overflows
 
     def __post_init__(self):
@@ -25,6 +26,7 @@ class ActivationConfig:
         check_positive("monitor.activation.horizon", self.horizon, integer=True)
         check_positive("monitor.activation.window", self.window, integer=True)
         check_positive("monitor.activation.forecast_min", self.forecast_min)
+        check_positive("monitor.activation.forecast_every", self.forecast_every, integer=True)
         check_choice("monitor.activation.on_overflow", self.on_overflow, ("warn", "rollback"))
 
 

@@ -1,0 +1,387 @@
+"""Step time with every stability monitor and rollback snapshots on vs all off, one process.
+
+Each config (``tiny``; ``small`` = tiny with 4 layers; optional ``125m`` = GPT-3 Small with a
+128-token context and batch 4, seconds per step on a CPU) is composed with Hydra as the CLI
+does it and trained through ``stabilize.train.run`` in two arms, same seed, data and model:
+
+- off: ``monitor=off rollback=off`` (no probe hooks, no norm statistics, no snapshots; the
+  callback still stacks and reads the loss / grad-norm head once per step);
+- on: the defaults, ``monitor=default rollback=default`` (probe hooks, norm statistics, one
+  gather + host read per step, every monitor incl. the Theil-Sen forecast, per-layer metrics
+  every 10 steps, a memory snapshot every 10 steps, a durable one every 100).
+
+Both arms: fp32 (``--precision``), validation off (``limit_val_batches=0``), periodic
+checkpoints and logs at the defaults, logger ``--logger`` (default W&B offline + CSV, as a
+real run; ``none``: CSV only). A callback stamps ``perf_counter`` and ``process_time`` after
+every optimizer step; ms/step = (t[warmup + steps] - t[warmup]) / steps, so at the defaults
+(10 + 100) the window holds exactly 10 memory snapshots, 1 durable snapshot, 10 log steps and
+1 checkpoint: their amortised cost. Arms are interleaved (off, on, on, off, ...); per arm the
+median over repeats is shown, and the verdict is the median per-pair wall-clock overhead
+on/off - 1 (target <= 3%). The same from process CPU time is shown beside it: on a shared
+machine it is the steadier of the two (other jobs' time on our core is not in it).
+
+Where the on-arm's time goes, per step in the window (wrappers around the callback's own
+methods): the gather (stack + host read; net of the step's grad-norm computation, which
+clipping would do anyway), the monitors' Python, ``_log_stats`` and the snapshots; "rest" =
+CPU overhead - those = probe hooks + norm statistics in the forward + Lightning/loggers
+handling the extra per-layer metrics.
+
+After the last timed step of each on-run (the run is stopping; the window is closed), it
+times directly, median of ``--reps``:
+- snapshot: ``StabilityCallback._snapshot`` (memory ring only; durable_every off for it);
+- durable: ``stabilize.rollback.save_durable`` of that snapshot (torch.save + fsync + rename);
+- restore: the load_state_dict part of ``_rollback`` (model, optimizer, scheduler, scaler,
+  monitors);
+- rollback: the whole ``_rollback`` with a synthetic ROLLBACK event and ladder ``[retry]``
+  (policy, restore, LR re-imposition, data seek, event log, W&B alert), restoring the
+  snapshot just taken, so nothing else changes. Not included: the one prefetched (stale)
+  batch that a real rollback then drops.
+Each is shown as a multiple of the off-arm's median step time (target: rollback < 1 step).
+
+On a busy 2-core machine two OpenMP threads stall whenever another job holds a core: the
+header prints the load average; use --threads 1 there.
+
+Usage: python scripts/bench_monitors.py [--quick] [--steps 100] [--warmup 10] [--repeats 3]
+       [--configs tiny,small[,125m]] [--precision fp32] [--logger wandb|none] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+os.environ["WANDB_MODE"] = "offline"  # before wandb is imported; never the network
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import wandb  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runnable from a bare checkout
+import stabilize.train as train  # noqa: E402  (registers the config's resolvers)
+from stabilize.lit.callbacks import PlainProgress  # noqa: E402
+from stabilize.lit.config import RunConfig  # noqa: E402
+from stabilize.lit.stability import StabilityCallback  # noqa: E402
+from stabilize.monitors import ROLLBACK, Event  # noqa: E402
+from stabilize.rollback import save_durable  # noqa: E402
+
+CONFIGS = {
+    "tiny": ["model=tiny"],
+    "small": ["model=tiny", "model.n_layer=4"],  # twice tiny's depth
+    # GPT-3 Small's width and depth, short context and batch: ~1-3 s/step on 2 CPU cores
+    "125m": ["model=gpt-125m", "model.block_size=128", "data.batch_size=4"],
+}
+ARMS = {
+    "off": ["monitor=off", "rollback=off"],
+    "on": ["monitor=default", "rollback=default"],
+}
+PARTS = ("gather", "monitors", "log_stats", "snapshot")
+OVERHEAD_MAX = 0.03  # on/off - 1
+RESTORE_MAX = 1.0  # steps
+NOISY = 0.10  # max/min - 1 of one arm's ms/step over repeats: the verdict is flagged
+
+
+def compose_cfg(run_dir: str, overrides: list[str]) -> RunConfig:
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"run_dir={run_dir}", *overrides])
+    return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+
+
+def _median_time(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+class BenchClock(L.Callback):
+    """perf_counter after every optimizer step; on the on-arm, time spent in the stability
+    callback's parts inside the window, then the snapshot / restore timings at its end."""
+
+    def __init__(self, edges: tuple[int, int], reps: int, scratch: Path):
+        self.edges, self.reps, self.scratch = edges, reps, scratch
+        self.t: dict[int, float] = {}
+        self.cpu: dict[int, float] = {}
+        self.parts: dict[str, float] = defaultdict(float)
+        self.timings: dict[str, float] = {}
+        self.snapshot_mb = 0.0
+        self._trainer = None
+        self._counting = False  # from the stamp of step warmup to that of the last step
+
+    def _wrap(self, obj, attr: str, part: str) -> None:
+        fn = getattr(obj, attr, None)
+        if fn is None:  # the package moved on: that part reads 0
+            return
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self._counting:
+                    self.parts[part] += time.perf_counter() - t0
+
+        setattr(obj, attr, timed)  # an instance attribute: this run's callback only
+
+    @staticmethod
+    def _stability(trainer) -> StabilityCallback:
+        return next(cb for cb in trainer.callbacks if isinstance(cb, StabilityCallback))
+
+    def on_train_start(self, trainer, pl_module):
+        self._trainer = trainer
+        for cb in trainer.callbacks:  # PlainProgress bound sys.stdout at import: mute it here
+            if isinstance(cb, PlainProgress):
+                cb.stream = io.StringIO()
+        sc = self._stability(trainer)
+        self._wrap(sc, "_gather", "gather")
+        self._wrap(sc.suite, "update", "monitors")
+        self._wrap(sc, "_log_stats", "log_stats")
+        self._wrap(sc, "_snapshot", "snapshot")
+        # the step's grad norm is computed by its first caller (now the gather; clipping
+        # reuses it): the off arm pays it too, in clipping, so it is taken out of "gather"
+        self._wrap(pl_module, "grad_total_norm", "grad_norm")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step in self.edges and pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.t[step] = time.perf_counter()
+        self.cpu[step] = time.process_time()
+        self._counting = self.edges[0] <= step < self.edges[1]
+        sc = self._stability(trainer)
+        if step == self.edges[1] and sc.rcfg.enabled:
+            self._time_rollback(trainer, pl_module, sc)
+
+    def _time_rollback(self, trainer, pl_module, sc: StabilityCallback) -> None:
+        sync = torch.cuda.synchronize if pl_module.device.type == "cuda" else lambda: None
+        durable_every, sc.rcfg.durable_every = sc.rcfg.durable_every, 0
+        self.timings["snapshot"] = _median_time(
+            lambda: (sc._snapshot(trainer, pl_module), sync()), self.reps
+        )
+        sc.rcfg.durable_every = durable_every
+        snap = sc.ring.ring[-1]  # at the current model step
+        self.snapshot_mb = _nbytes(snap.state) / 2**20
+        self.timings["durable"] = _median_time(
+            lambda: save_durable(snap, self.scratch / "snapshots"), self.reps
+        )
+        opt, sched, scaler = sc._objects(trainer)
+        st = snap.state
+
+        def restore():
+            pl_module.model.load_state_dict(st["model"])
+            opt.load_state_dict(st["optimizer"])
+            sched.load_state_dict(st["scheduler"])
+            if scaler is not None and st["scaler"] is not None:
+                scaler.load_state_dict(st["scaler"])
+            sc.suite.load_state_dict(st["monitors"])
+            sync()
+
+        self.timings["restore"] = _median_time(restore, self.reps)
+        # the whole rollback, restoring the snapshot just taken (event step - margin = it);
+        # ladder [retry]: no remedy changes anything; the policy's history is cleared each
+        # time so that the one-rung ladder never aborts.
+        sc.rcfg.ladder = ["retry"]  # the policy holds the same config object
+        step = pl_module.model_step
+        event = Event(ROLLBACK, "bench", step + sc.rcfg.margin, "bench_monitors: timing")
+
+        def rollback():
+            sc.policy.history.clear()
+            sc._rollback(trainer, pl_module, event)
+            sync()
+
+        self.timings["rollback"] = _median_time(rollback, self.reps)
+        assert pl_module.model_step == step, "the timed rollback moved the model step"
+
+
+def one_run(cfg: RunConfig, args, scratch: Path) -> tuple[BenchClock, float]:
+    edges = (args.warmup, args.warmup + args.steps)
+    clock = BenchClock(edges, args.reps, scratch)
+    with contextlib.redirect_stdout(io.StringIO()):  # W&B chatter
+        out = train.run(cfg, callbacks=[clock])
+    wandb.teardown()  # stop W&B's service process: it must not run during the next run
+    return clock, out["metrics"].get("train/loss", float("nan"))
+
+
+def bench(name: str, args, tmp: Path) -> dict:
+    warm, total = args.warmup, args.warmup + args.steps
+    common = [
+        *CONFIGS[name],
+        f"precision={args.precision}",
+        f"trainer.max_steps={total}",
+        "trainer.limit_val_batches=0",
+        "trainer.progress=plain",
+        f"logger={args.logger}",
+    ]
+    ms: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    ratios: list[float] = []
+    cpu_ratios: list[float] = []
+    parts: dict[str, list[float]] = defaultdict(list)
+    timings: dict[str, list[float]] = defaultdict(list)
+    snapshot_mb = 0.0
+    for r in range(args.repeats):
+        pair = {}
+        for arm in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            run_dir = tmp / f"{name}-{r}-{arm}"
+            cfg = compose_cfg(str(run_dir), [*common, *ARMS[arm]])
+            clock, loss = one_run(cfg, args, run_dir)
+            pair[arm] = 1000 * (clock.t[total] - clock.t[warm]) / args.steps
+            ms[arm].append(pair[arm])
+            cpu[arm].append(1000 * (clock.cpu[total] - clock.cpu[warm]) / args.steps)
+            if arm == "on":
+                net = dict(clock.parts, gather=clock.parts["gather"] - clock.parts["grad_norm"])
+                for p in PARTS:
+                    parts[p].append(1000 * net.get(p, 0.0) / args.steps)
+                for k, v in clock.timings.items():
+                    timings[k].append(1000 * v)
+                snapshot_mb = clock.snapshot_mb
+            print(
+                f"  {name} #{r} {arm:3s} {pair[arm]:8.2f} ms/step (CPU {cpu[arm][-1]:8.2f})  "
+                f"loss {loss:.4f}",
+                flush=True,
+            )
+        ratios.append(pair["on"] / pair["off"] - 1)
+        cpu_ratios.append(cpu["on"][-1] / cpu["off"][-1] - 1)
+    return {
+        "name": name,
+        "params": sum(p.numel() for p in clock._trainer.lightning_module.model.parameters()),
+        "ms": ms,
+        "cpu": cpu,
+        "ratios": ratios,
+        "cpu_ratios": cpu_ratios,
+        "parts": {p: statistics.median(v) for p, v in parts.items()},
+        "timings": {k: statistics.median(v) for k, v in timings.items()},
+        "snapshot_mb": snapshot_mb,
+    }
+
+
+def report(results: list[dict], args) -> None:
+    def span(xs, fmt):
+        m, lo, hi = (fmt.format(f(xs)) for f in (statistics.median, min, max))
+        return f"{m} ({lo} to {hi})"
+
+    print(
+        f"\n{args.precision}, logger {args.logger}, {args.steps} timed steps after "
+        f"{args.warmup}, {args.repeats} pairs (off/on interleaved), {torch.get_num_threads()} "
+        f"torch threads, load average {args.load:.1f} at start on {os.cpu_count()} cores; "
+        f"median (min to max) over pairs\n"
+    )
+    print(
+        "| config | params | off ms/step | on ms/step | overhead on/off - 1 "
+        "| off CPU ms/step | on CPU ms/step | CPU overhead |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for res in results:
+        ms, cpu = res["ms"], res["cpu"]
+        print(
+            f"| {res['name']} | {res['params'] / 1e6:.2f}M | {span(ms['off'], '{:.2f}')} "
+            f"| {span(ms['on'], '{:.2f}')} | {span([100 * x for x in res['ratios']], '{:+.1f}%')} "
+            f"| {span(cpu['off'], '{:.2f}')} | {span(cpu['on'], '{:.2f}')} "
+            f"| {span([100 * x for x in res['cpu_ratios']], '{:+.1f}%')} |"
+        )
+    print(
+        "\nWhere the on-arm's extra time goes, ms per step in the window (median over runs, "
+        "% of the off step); rest = CPU overhead - parts:\n"
+    )
+    print(
+        "| config | CPU overhead | gather | monitors | log_stats | snapshots "
+        "| rest (hooks, norm stats, loggers) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for res in results:
+        p, base = res["parts"], statistics.median(res["cpu"]["off"])
+        over = statistics.median(res["cpu"]["on"]) - base
+        rest = over - sum(p.values())
+        cells = " | ".join(f"{v:.3f} ({100 * v / base:.1f}%)" for v in [*p.values(), rest])
+        print(f"| {res['name']} | {over:+.3f} ({100 * over / base:+.1f}%) | {cells} |")
+    print(
+        f"\nSnapshot / restore, median of {args.reps}, ms and (x off-arm step time); "
+        "rollback = the whole _rollback:\n"
+    )
+    print("| config | state MB | step ms | snapshot | durable write | restore | rollback |")
+    print("|---|---|---|---|---|---|---|")
+    for res in results:
+        step = statistics.median(res["ms"]["off"])
+        t = res["timings"]
+        keys = ("snapshot", "durable", "restore", "rollback")
+        cells = " | ".join(f"{t[k]:.2f} ({t[k] / step:.2f}x)" for k in keys)
+        print(f"| {res['name']} | {res['snapshot_mb']:.1f} | {step:.2f} | {cells} |")
+    print()
+    for res in results:
+        ratio = statistics.median(res["ratios"])
+        verdict = "PASS" if ratio <= OVERHEAD_MAX else "FAIL"
+        spread = max(max(v) / min(v) - 1 for v in res["ms"].values())
+        if spread > NOISY:  # a stalled run: the median of a few pairs is not to be trusted
+            verdict += (
+                f" (NOISY: an arm's runs differ by {100 * spread:.0f}%; "
+                "rerun with --threads 1 and/or more --repeats)"
+            )
+        print(
+            f"target {res['name']}: overhead on/off - 1 = {100 * ratio:+.1f}% "
+            f"(<= {100 * OVERHEAD_MAX:.0f}%) {verdict}"
+        )
+        steps = res["timings"]["rollback"] / statistics.median(res["ms"]["off"])
+        verdict = "PASS" if steps < RESTORE_MAX else "FAIL"
+        print(
+            f"target {res['name']}: restore from memory (whole _rollback) = {steps:.2f} steps "
+            f"(< {RESTORE_MAX:g}) {verdict}"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny only, 2 pairs (< 90 s)")
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    ap.add_argument("--repeats", type=int, default=3, help="(off, on) pairs")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of each snapshot timing")
+    ap.add_argument("--configs", default="tiny,small", help=f"of {sorted(CONFIGS)}")
+    ap.add_argument("--precision", default="fp32", help="a configs/precision name")
+    ap.add_argument("--logger", default="wandb", choices=["wandb", "none"], help="both arms")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    args = ap.parse_args()
+    if args.quick:
+        args.configs, args.repeats = "tiny", 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = args.configs.split(",")
+    for n in names:
+        if n not in CONFIGS:
+            ap.error(f"--configs: {n!r} is not one of {sorted(CONFIGS)}")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"lightning\..*")
+    args.load = os.getloadavg()[0]  # > cores - threads: other jobs stall the OpenMP threads
+    with tempfile.TemporaryDirectory(prefix="bench_monitors-") as tmp:
+        results = [bench(n, args, Path(tmp)) for n in names]
+    report(results, args)
+
+
+if __name__ == "__main__":
+    main()
