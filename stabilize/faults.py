@@ -58,7 +58,8 @@ class FaultInjector:
         self.fired: set[int] = set()  # wall-clock firings (transient faults fire once)
         self.drift_factor = 1.0
         self.drift_start: float | None = None  # |x| max measured at the start step
-        self._handle = None
+        self.disabled = False  # a transient fault that happened, then was rolled back
+        self._armed: list = []  # gradient hooks of the step in flight
 
     def _mine(self) -> bool:
         return self.cfg.rank is None or self.cfg.rank == self.rank
@@ -66,7 +67,9 @@ class FaultInjector:
     def fires(self, step: int) -> bool:
         """Does the point fault fire at this model step (on this rank)?"""
         c = self.cfg
-        if c.kind in ("none", "activation_drift") or step != c.step or not self._mine():
+        if self.disabled or c.kind in ("none", "activation_drift") or step != c.step:
+            return False
+        if not self._mine():
             return False
         if not c.persistent and step in self.fired:
             return False
@@ -79,23 +82,38 @@ class FaultInjector:
             return loss * float("nan")
         return loss
 
-    def on_grads(self, step: int, model: nn.Module) -> None:
+    def arm(self, step: int, model: nn.Module) -> None:
+        """Before the backward of ``step``: hook the gradients the fault corrupts.
+
+        Tensor hooks run when a gradient is produced, before DDP's all-reduce, so a fault
+        on rank r reaches every rank through the reduce, as a real corrupted gradient would
+        (corrupting after the reduce would only desynchronise rank r's replica).
+        """
         c = self.cfg
         if c.kind not in ("inf_grad", "grad_spike") or not self.fires(step):
             return
         params = dict(model.named_parameters())
-        with torch.no_grad():
-            if c.kind == "inf_grad":
-                name = c.param or next(iter(params))
-                if name not in params:
-                    raise ValueError(
-                        f"fault.param={name!r} is not a parameter; allowed: {list(params)[:8]} ..."
-                    )
-                params[name].grad.view(-1)[0] = float("inf")
-            else:
-                for p in params.values():
-                    if p.grad is not None:
-                        p.grad.mul_(c.factor)
+        if c.kind == "inf_grad":
+            name = c.param or next(iter(params))
+            if name not in params:
+                raise ValueError(
+                    f"fault.param={name!r} is not a parameter; allowed: {list(params)[:8]} ..."
+                )
+
+            def poison(g):
+                g = g.clone()
+                g.view(-1)[0] = float("inf")
+                return g
+
+            self._armed = [params[name].register_hook(poison)]
+        else:
+            self._armed = [p.register_hook(lambda g: g * c.factor) for p in params.values()]
+
+    def disarm(self) -> None:
+        """After the backward: the hooks fire for one step only."""
+        for h in self._armed:
+            h.remove()
+        self._armed = []
 
     # ---- activation drift -----------------------------------------------------------------
     def attach(self, model: nn.Module) -> None:
@@ -104,12 +122,12 @@ class FaultInjector:
         block = model.h[self.cfg.layer]
 
         def hook(module, args, out):  # scale the residual update of this block
-            if self.drift_factor == 1.0:
+            if self.drift_factor == 1.0 or self.disabled:
                 return out
             x = args[0]
             return x + (out - x) * self.drift_factor
 
-        self._handle = block.register_forward_hook(hook)
+        block.register_forward_hook(hook)
 
     def planned(self, step: int) -> float:
         """The |x| max the drift aims at for ``step`` (geometric from start to target)."""
@@ -129,7 +147,7 @@ class FaultInjector:
         all-rank maximum, so every rank steers identically.
         """
         c = self.cfg
-        if c.kind != "activation_drift" or not self._mine() or measured is None:
+        if c.kind != "activation_drift" or self.disabled or not self._mine() or measured is None:
             return
         if next_step <= c.step:
             return
@@ -142,9 +160,29 @@ class FaultInjector:
         ratio = self.planned(next_step) / measured
         self.drift_factor *= min(4.0, max(0.25, ratio))
 
-    def state_dict(self) -> dict:
-        # fired is wall-clock history: it must survive a rollback (not part of snapshots)
+    @property
+    def happened(self) -> bool:
+        """Has the fault fired (point faults) or started (drift)?"""
+        return bool(self.fired) or self.drift_start is not None
+
+    def on_rollback(self, snapshot_state: dict) -> None:
+        """A rollback rewinds the model: a persistent fault rewinds with it (and recurs); a
+        transient one that already happened is over; one that has not happened yet stays."""
+        if self.cfg.persistent:
+            self.drift_factor = snapshot_state["drift_factor"]
+            self.drift_start = snapshot_state["drift_start"]
+        elif self.happened:
+            self.disabled, self.drift_factor = True, 1.0
+
+    def snapshot_state(self) -> dict:
+        """What a rollback rewinds: the drift's course (not the wall-clock firing history)."""
         return {"drift_factor": self.drift_factor, "drift_start": self.drift_start}
+
+    def state_dict(self) -> dict:
+        """Everything, for checkpoints: a resumed run neither re-fires nor re-measures."""
+        return {**self.snapshot_state(), "fired": sorted(self.fired), "disabled": self.disabled}
 
     def load_state_dict(self, state: dict) -> None:
         self.drift_factor, self.drift_start = state["drift_factor"], state["drift_start"]
+        self.fired = set(state["fired"])
+        self.disabled = state["disabled"]

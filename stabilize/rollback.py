@@ -117,7 +117,7 @@ class RollbackPolicy:
 
     def decide(self, event: Event, ring: SnapshotRing) -> Decision:
         recent = [h for h in self.history if h["fault_step"] > event.step - self.cfg.window]
-        same = [h for h in self.history if h["monitor"] == event.monitor]
+        same = [h for h in recent if h["monitor"] == event.monitor]  # the ladder resets
         if len(recent) >= self.cfg.max_rollbacks:
             return Decision(
                 "abort",
@@ -157,20 +157,14 @@ class RollbackPolicy:
         self.history = copy.deepcopy(state["history"])
 
 
-def apply_remedy(
-    remedy: str, model: torch.nn.Module, scheduler, optimizer, cfg: RollbackConfig
-) -> dict[str, Any]:
-    """Apply one rung in place; returns what it did (for the event log).
+def apply_remedy(remedy: str, model: torch.nn.Module, cfg: RollbackConfig) -> dict[str, Any]:
+    """Apply one rung; returns what it did (for the event log).
 
-    skip_data is applied by the caller (it moves the data position); the others change
-    the training state here.
+    skip_data (the data position) and lower_lr (the LR scale) are applied by the caller;
+    fp32_reduction switches the model's norms here.
     """
     if remedy == "lower_lr":
-        scheduler.base_lrs = [lr * cfg.lr_factor for lr in scheduler.base_lrs]
-        for g, base in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
-            g["initial_lr"] = base
-            g["lr"] *= cfg.lr_factor
-        return {"lr_factor": cfg.lr_factor, "base_lrs": list(scheduler.base_lrs)}
+        return {"lr_factor": cfg.lr_factor}
     if remedy == "fp32_reduction":
         return {"norms_switched": set_reduction_dtype(model, "fp32")}
     if remedy == "skip_data":

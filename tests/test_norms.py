@@ -343,3 +343,12 @@ def test_fp16_reduction_backward_overflows_for_small_activations_and_eps_guards_
     assert results[("fp16", 1e-5)] == (True, False)  # finite forward, broken backward
     assert results[("fp16", 1e-3)] == (True, True)
     assert results[("fp32", 1e-5)] == (True, True)
+
+
+def test_headroom_math_matches_hand_values():
+    from stabilize.numerics import square_limit, sum_of_squares_rms_limit
+
+    assert square_limit(torch.float16) == pytest.approx(255.9375, abs=1e-3)  # sqrt(65504)
+    assert sum_of_squares_rms_limit(torch.float16, 2048) == pytest.approx(5.6554, abs=1e-4)
+    with pytest.raises(ValueError, match="dim=0"):
+        sum_of_squares_rms_limit(torch.float16, 0)

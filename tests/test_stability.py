@@ -315,3 +315,58 @@ def test_compile_refuses_a_16_bit_reduction_it_would_silently_upcast(tmp_path):
         ValueError, match="trainer.compile=true is not allowed with norm.reduction_dtype='fp16'"
     ):
         compose_run(tmp_path, ["trainer.compile=true", "norm.reduction_dtype=fp16"])
+
+
+def test_default_monitor_config_reaches_the_monitors(tmp_path):
+    from stabilize.monitors import MonitorSuite
+
+    cfg = compose_run(tmp_path, [])
+    suite = MonitorSuite(cfg.monitor)
+    assert suite.monitors["grad_spike"].kind == "warn"  # clipping absorbs most spikes
+    assert suite.monitors["loss_spike"].kind == "rollback"
+    act = suite.monitors["activation"]
+    assert (act.forecast_min, act.forecast_every) == (8.0, 10)
+    cfg2 = compose_run(
+        tmp_path, ["monitor.activation.forecast_every=3", "monitor.grad_spike.action=rollback"]
+    )
+    suite2 = MonitorSuite(cfg2.monitor)
+    assert suite2.monitors["activation"].forecast_every == 3
+    assert suite2.monitors["grad_spike"].kind == "rollback"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["optim.accumulate_grad_batches=2"], "not allowed with rollback.enabled=true yet"),
+        (["fault=activation_drift", "monitor=off"], "steered by the |x| max"),
+    ],
+)
+def test_unsupported_combinations_are_refused(override, message, tmp_path):
+    with pytest.raises(ValueError, match=message.replace("|", r"\|")):
+        compose_run(tmp_path, override)
+
+
+def test_resume_after_a_lower_lr_rollback_continues_like_the_uninterrupted_run(tmp_path):
+    """Rollback state across a checkpoint: the remedies, the LR scale, the ladder and the
+    fault's firing history are restored, so the resumed run ends where the uninterrupted
+    one does (CPU fp32, bit for bit)."""
+    common = [
+        *BASE,
+        "fault=nan_loss",
+        "fault.step=5",
+        "rollback.ladder=[lower_lr]",
+        "trainer.checkpoint_every_n_steps=3",
+    ]
+    run(compose_run(tmp_path / "full", common))
+    run(compose_run(tmp_path / "cut", [*common, "trainer.stop_at_step=9"]))
+    out = run(compose_run(tmp_path / "cut", [*common, "resume=auto"]))
+    assert out["model_step"] == 14
+    assert (
+        len([e for e in kinds(events(tmp_path / "cut"), "rollback") if e["monitor"] == "nonfinite"])
+        == 1
+    )  # the transient fault did not re-fire
+    a = torch.load(tmp_path / "full" / "checkpoints" / "last.ckpt", weights_only=False)
+    b = torch.load(tmp_path / "cut" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert b["stabilize"]["lr_scale"] == 0.5 and b["stabilize"]["remedies"] == ["lower_lr"]
+    for k, v in a["state_dict"].items():
+        assert torch.equal(v, b["state_dict"][k]), k

@@ -149,6 +149,22 @@ class RunConfig:
         ):
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
 
+        if self.rollback.enabled and self.optim.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"optim.accumulate_grad_batches={self.optim.accumulate_grad_batches} is not "
+                f"allowed with rollback.enabled=true yet (a rollback mid-window would misalign "
+                f"the accumulation windows); allowed: 1, or rollback=off"
+            )
+        if self.fault.kind == "activation_drift" and not self.monitor.enabled:
+            raise ValueError(
+                "fault.kind='activation_drift' is not allowed with monitor.enabled=false: the "
+                "drift is steered by the |x| max the monitors measure; allowed: monitor on"
+            )
+        if self.trainer.compile and self.fault.kind == "activation_drift":
+            raise ValueError(
+                "trainer.compile=true is not allowed with fault.kind='activation_drift' (its "
+                "factor changes every step and would recompile the model every step)"
+            )
         red = self.model.norm.reduction_dtype
         sixteen = red in ("bf16", "fp16") or (red == "input" and self.precision.name == "bf16-true")
         if self.trainer.compile and sixteen:

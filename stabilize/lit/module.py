@@ -160,6 +160,7 @@ class GPTLitModule(L.LightningModule):
         loss = self.loss(batch)
         if self.injector is not None:
             loss = self.injector.on_loss(self.model_step + 1, loss)
+            self.injector.arm(self.model_step + 1, self.model)
         if self.data_step % self.cfg.optim.accumulate_grad_batches == 0:
             self.step_loss = None  # the first micro-batch of an optimizer step
         self.data_step += 1
@@ -170,7 +171,19 @@ class GPTLitModule(L.LightningModule):
 
     def on_after_backward(self):
         if self.injector is not None:
-            self.injector.on_grads(self.model_step + 1, self.model)
+            self.injector.disarm()
+
+    def apply_lr(self) -> None:
+        """Set every group's LR from the model's step and the remedies' scale: the one place
+        the schedule is imposed (after a rollback the restored optimizer may hold an LR from
+        before a lower_lr remedy)."""
+        o = self.cfg.optim
+        base = o.lr * self.lr_scale
+        sched = self.trainer.lr_scheduler_configs[0].scheduler
+        sched.base_lrs = [base] * len(sched.base_lrs)
+        for g in self.trainer.optimizers[0].param_groups:
+            g["initial_lr"] = base
+            g["lr"] = base * lr_factor(self.model_step, o, self.cfg.trainer.max_steps)
 
     def validation_step(self, batch, batch_idx):
         loss = self.loss(batch)

@@ -39,6 +39,7 @@ class StabilityProbe:
             self._handles.append(block.attn.q_norm.register_forward_hook(self._q_hook(i)))
             self._handles.append(block.attn.k_norm.register_forward_hook(self._k_hook(i)))
         modules = dict(model.named_modules())
+        self.dims = {name: modules[name].dim for name in self.norms}
         for j, name in enumerate(self.norms):
             modules[name].collect_stats = True
             self._handles.append(modules[name].register_forward_hook(self._norm_hook(j)))

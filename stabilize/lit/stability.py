@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from stabilize.faults import FaultConfig, FaultInjector
 from stabilize.lit.probe import StabilityProbe
 from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
+from stabilize.numerics import sum_of_squares_rms_limit
 from stabilize.rollback import (
     RollbackConfig,
     RollbackPolicy,
@@ -51,6 +52,8 @@ class StabilityCallback(L.Callback):
         accumulate: int = 1,
     ):
         self.mcfg, self.rcfg, self.fcfg = monitor, rollback, fault
+        # without monitors nothing can call for a rollback: no snapshots to pay for either
+        self.rollback_on = rollback.enabled and monitor.enabled
         self.run_dir = Path(run_dir)
         self.accumulate = accumulate
         self.suite = MonitorSuite(monitor)
@@ -62,7 +65,6 @@ class StabilityCallback(L.Callback):
         self._pending: tuple | None = None
         self._batch = None
         self.counts = {"warn": 0, "skip": 0, "rollback": 0}
-        self._base_lrs: list[float] | None = None
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage):
@@ -72,13 +74,13 @@ class StabilityCallback(L.Callback):
         self.injector = FaultInjector(self.fcfg, rank=trainer.global_rank)
         self.injector.attach(model)
         pl_module.injector = self.injector
+        if getattr(self, "_fault_state", None):  # resumed: loaded before this runs
+            self.injector.load_state_dict(self._fault_state)
         if self.mcfg.enabled:
             self.probe = StabilityProbe(model)
 
     def on_train_start(self, trainer, pl_module):
-        sched = trainer.lr_scheduler_configs[0].scheduler
-        self._base_lrs = list(sched.base_lrs)
-        if self.rcfg.enabled:
+        if self.rollback_on:
             self._snapshot(trainer, pl_module)  # a floor to return to, before any step
 
     # ---- per step -----------------------------------------------------------------------
@@ -95,7 +97,7 @@ class StabilityCallback(L.Callback):
         self._batch = batch
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if pl_module.stale_batch or not (self.mcfg.enabled or self.rcfg.enabled):
+        if pl_module.stale_batch or not (self.mcfg.enabled or self.rollback_on):
             return
         stats = self._gather(trainer, pl_module, optimizer)
         events = self.suite.update(stats)
@@ -103,12 +105,12 @@ class StabilityCallback(L.Callback):
             self.injector.steer(stats.step + 1, stats.act_max.get(f"h.{self.fcfg.layer}"))
         self.last = stats
         bad = [e for e in events if e.kind == ROLLBACK]
-        if bad and self.rcfg.enabled:
+        if bad and self.rollback_on:
             if bad[0].monitor == "nonfinite":
                 bad[0].extra["localization"] = self._localize(trainer, pl_module)
             optimizer.zero_grad(set_to_none=True)  # nothing of this step is applied
             pl_module.skip_step = True
-        self._pending = (stats, events, bad[0] if bad and self.rcfg.enabled else None)
+        self._pending = (stats, events, bad[0] if bad and self.rollback_on else None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if pl_module.stale_batch or self._pending is None:
@@ -121,14 +123,15 @@ class StabilityCallback(L.Callback):
             self._emit(trainer, e)
         if fault is not None:
             self._rollback(trainer, pl_module, fault)
-        elif self.rcfg.enabled and pl_module.model_step % self.rcfg.snapshot_every == 0:
+        elif self.rollback_on and pl_module.model_step % self.rcfg.snapshot_every == 0:
             self._snapshot(trainer, pl_module)
 
     def _gather(self, trainer, pl_module, optimizer) -> StepStats:
         """One vector, one collective, one host transfer."""
         dev = pl_module.device
-        nan = torch.tensor(float("nan"), device=dev)
-        minus1 = torch.tensor(-1.0, device=dev)
+        # torch.full, not torch.tensor: no host-to-device copy (a stream sync on CUDA)
+        nan = torch.full((), float("nan"), device=dev)
+        minus1 = torch.full((), -1.0, device=dev)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         scale = getattr(scaler, "_scale", None) if scaler is not None else None
         found_inf = minus1
@@ -219,14 +222,28 @@ class StabilityCallback(L.Callback):
         m.update({f"overflow/{k}": v for k, v in s.norm_overflow.items()})
         m.update({f"dead/{k}": v for k, v in s.norm_collapsed.items()})
         m.update({f"rms/{k}": v for k, v in s.norm_rms_max.items()})
+        # fp16 sum-of-squares headroom: how far each row RMS may still grow before the sum
+        # over D elements passes 65504 (< 1: it already overflows), for norms whose RMS
+        # is measured (the explicit backend, i.e. 16-bit reductions)
+        if self.probe is not None:
+            m.update(
+                {
+                    f"headroom/{k}": sum_of_squares_rms_limit(torch.float16, self.probe.dims[k]) / v
+                    for k, v in s.norm_rms_max.items()
+                    if v > 0
+                }
+            )
         m.update({f"forecast/{k}": min(v, 1e6) for k, v in self.suite.forecast.items()})
         m.update({f"stability/{k}s": float(v) for k, v in self.counts.items()})
         m = {k: v for k, v in m.items() if math.isfinite(v)}
         # Host floats, straight to the loggers (rank 0): self.log's per-key bookkeeping
         # cost ~10 ms per log step for the per-layer series.
         if trainer.is_global_zero:
+            # the step Lightning's own self.log rows use at this point (one less than
+            # global_step), so per-layer rows line up with train/loss in CSV and W&B
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
             for lg in trainer.loggers:
-                lg.log_metrics(m, step=trainer.global_step)
+                lg.log_metrics(m, step=step)
 
     def _emit(self, trainer, e: Event, **extra) -> None:
         if e.kind in self.counts:
@@ -263,7 +280,7 @@ class StabilityCallback(L.Callback):
             "model_step": pl_module.model_step,
             "data_step": pl_module.data_step,
             "monitors": to_cpu(self.suite.state_dict()),
-            "fault": self.injector.state_dict() if self.injector else None,
+            "fault": self.injector.snapshot_state() if self.injector else None,
         }
         snap = Snapshot(pl_module.model_step, state)
         self.ring.push(snap)
@@ -285,20 +302,14 @@ class StabilityCallback(L.Callback):
             scaler.load_state_dict(st["scaler"])
         self.suite.load_state_dict(st["monitors"])
         if self.injector is not None and st["fault"] is not None:
-            if self.fcfg.persistent:
-                self.injector.load_state_dict(st["fault"])
-            else:  # a transient drift does not come back
-                self.injector.drift_factor, self.injector.cfg.kind = 1.0, "none"
-        # remedies so far stay applied: the LR scale is re-imposed on the restored schedule
-        sched.base_lrs = [b * pl_module.lr_scale for b in self._base_lrs]
-        for g, b in zip(opt.param_groups, sched.base_lrs, strict=True):
-            g["initial_lr"] = b
+            self.injector.on_rollback(st["fault"])
         pl_module.model_step, pl_module.data_step = st["model_step"], st["data_step"]
-        did = apply_remedy(remedy, pl_module.model, sched, opt, self.rcfg)
+        did = apply_remedy(remedy, pl_module.model, self.rcfg)
         if remedy == "skip_data":
             pl_module.data_step += self.rcfg.skip_batches
         elif remedy == "lower_lr":
             pl_module.lr_scale *= self.rcfg.lr_factor
+        pl_module.apply_lr()  # remedies so far stay applied, on the restored step
         pl_module.remedies.append(remedy)
         pl_module.seek_data(pl_module.data_step)
         opt.zero_grad(set_to_none=True)
@@ -351,13 +362,19 @@ class StabilityCallback(L.Callback):
         raise StabilityAbort(diagnosis)
 
     def state_dict(self) -> dict:
+        """Saved in Lightning checkpoints: a resumed run keeps its monitors' windows, its
+        rollback history (the ladder) and its fault's course."""
         return {
             "monitors": self.suite.state_dict(),
             "policy": self.policy.state_dict(),
             "counts": dict(self.counts),
+            "fault": self.injector.state_dict() if self.injector else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.suite.load_state_dict(state["monitors"])
         self.policy.load_state_dict(state["policy"])
         self.counts.update(state["counts"])
+        self._fault_state = state.get("fault")
+        if self.injector is not None and self._fault_state:  # Lightning restores after setup
+            self.injector.load_state_dict(self._fault_state)

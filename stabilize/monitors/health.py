@@ -62,8 +62,8 @@ class LossScaleMonitor:
                     SKIP,
                     "loss_scale",
                     stats.step,
-                    f"GradScaler skipped step {stats.step} (inf/NaN gradients); "
-                    f"scale now {stats.loss_scale:g}",
+                    f"GradScaler skips step {stats.step} (inf/NaN gradients); "
+                    f"scale {stats.loss_scale:g}, halved after this step",
                     value=stats.loss_scale,
                     extra={"consecutive": self.consecutive},
                 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stabilize.monitors.activations import ActivationMonitor
-from stabilize.monitors.events import Event, StepStats
+from stabilize.monitors.events import ROLLBACK, WARN, Event, StepStats
 from stabilize.monitors.health import LossScaleMonitor, NonFiniteMonitor
 from stabilize.monitors.spikes import SpikeDetector
 from stabilize.validate import build_dataclass, check_choice, check_positive
@@ -92,13 +92,19 @@ class MonitorSuite:
         a = cfg.activation
         if a.enabled:
             self.monitors["activation"] = ActivationMonitor(
-                a.threshold, a.horizon, a.window, on_overflow=a.on_overflow
+                a.threshold,
+                a.horizon,
+                a.window,
+                on_overflow=a.on_overflow,
+                forecast_min=a.forecast_min,
+                forecast_every=a.forecast_every,
             )
         for name in ("grad_spike", "loss_spike"):
             s = getattr(cfg, name)
             if s.enabled:
+                kind = ROLLBACK if s.action == "rollback" else WARN
                 self.monitors[name] = SpikeDetector(
-                    name, s.window, s.warmup, s.threshold, s.min_ratio
+                    name, s.window, s.warmup, s.threshold, s.min_ratio, kind=kind
                 )
         if cfg.nonfinite:
             self.monitors["nonfinite"] = NonFiniteMonitor()
