@@ -53,35 +53,26 @@ import io
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
 
-os.environ["WANDB_MODE"] = "offline"  # before wandb is imported; never the network
-os.environ.setdefault("WANDB_SILENT", "true")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import wandb  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from benchlib import CONFIGS as BASE_CONFIGS  # noqa: E402  (sets the offline environment)
+from benchlib import compose_cfg, mute_progress  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a bare checkout
-import stabilize.train as train  # noqa: E402  (registers the config's resolvers)
-from stabilize.lit.callbacks import PlainProgress  # noqa: E402
+import stabilize.train  # noqa: E402
 from stabilize.lit.config import RunConfig  # noqa: E402
 from stabilize.lit.stability import StabilityCallback  # noqa: E402
 from stabilize.monitors import ROLLBACK, Event  # noqa: E402
 from stabilize.rollback import save_durable  # noqa: E402
 
 CONFIGS = {
-    "tiny": ["model=tiny"],
-    "small": ["model=tiny", "model.n_layer=4"],  # twice tiny's depth
+    **BASE_CONFIGS,
     # GPT-3 Small's width and depth, short context and batch: ~1-3 s/step on 2 CPU cores
     "125m": ["model=gpt-125m", "model.block_size=128", "data.batch_size=4"],
 }
@@ -93,12 +84,6 @@ PARTS = ("gather", "monitors", "log_stats", "snapshot")
 OVERHEAD_MAX = 0.03  # on/off - 1
 RESTORE_MAX = 1.0  # steps
 NOISY = 0.10  # max/min - 1 of one arm's ms/step over repeats: the verdict is flagged
-
-
-def compose_cfg(run_dir: str, overrides: list[str]) -> RunConfig:
-    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"run_dir={run_dir}", *overrides])
-    return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
 
 
 def _median_time(fn, reps: int) -> float:
@@ -155,9 +140,7 @@ class BenchClock(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         self._trainer = trainer
-        for cb in trainer.callbacks:  # PlainProgress bound sys.stdout at import: mute it here
-            if isinstance(cb, PlainProgress):
-                cb.stream = io.StringIO()
+        mute_progress(trainer)
         sc = self._stability(trainer)
         self._wrap(sc, "_gather", "gather")
         self._wrap(sc.suite, "update", "monitors")
@@ -190,16 +173,9 @@ class BenchClock(L.Callback):
         self.timings["durable"] = _median_time(
             lambda: save_durable(snap, self.scratch / "snapshots"), self.reps
         )
-        opt, sched, scaler = sc._objects(trainer)
-        st = snap.state
 
         def restore():
-            pl_module.model.load_state_dict(st["model"])
-            opt.load_state_dict(st["optimizer"])
-            sched.load_state_dict(st["scheduler"])
-            if scaler is not None and st["scaler"] is not None:
-                scaler.load_state_dict(st["scaler"])
-            sc.suite.load_state_dict(st["monitors"])
+            sc.restore(trainer, pl_module, snap.state)
             sync()
 
         self.timings["restore"] = _median_time(restore, self.reps)
@@ -223,7 +199,7 @@ def one_run(cfg: RunConfig, args, scratch: Path) -> tuple[BenchClock, float]:
     edges = (args.warmup, args.warmup + args.steps)
     clock = BenchClock(edges, args.reps, scratch)
     with contextlib.redirect_stdout(io.StringIO()):  # W&B chatter
-        out = train.run(cfg, callbacks=[clock])
+        out = stabilize.train.run(cfg, callbacks=[clock])
     wandb.teardown()  # stop W&B's service process: it must not run during the next run
     return clock, out["metrics"].get("train/loss", float("nan"))
 

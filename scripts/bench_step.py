@@ -43,45 +43,28 @@ import io
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-os.environ["WANDB_MODE"] = "offline"  # before wandb is imported; never the network
-os.environ.setdefault("WANDB_SILENT", "true")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import wandb  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from benchlib import CONFIGS as BASE_CONFIGS  # noqa: E402  (sets the offline environment)
+from benchlib import compose_cfg, mute_progress  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a bare checkout
-import stabilize.train as train  # noqa: E402  (registers the config's resolvers)
+import stabilize.train  # noqa: E402
 from stabilize.data import build_dataloaders  # noqa: E402
 from stabilize.lit.build import resolve_accelerator  # noqa: E402
-from stabilize.lit.callbacks import PlainProgress  # noqa: E402
 from stabilize.lit.config import RunConfig  # noqa: E402
 from stabilize.lit.module import lr_factor, param_groups  # noqa: E402
 from stabilize.model import GPT  # noqa: E402
 
-CONFIGS = {
-    "tiny": ["model=tiny"],
-    "small": ["model=tiny", "model.n_layer=4"],  # twice tiny's depth: ~2x its step time
-}
+CONFIGS = BASE_CONFIGS
 AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 TARGET = 0.95
-
-
-def compose_cfg(run_dir: str, overrides: list[str]) -> RunConfig:
-    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"run_dir={run_dir}", *overrides])
-    return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
 
 
 class StepClock(L.Callback):
@@ -92,9 +75,7 @@ class StepClock(L.Callback):
         self.edges, self.t = edges, {}
 
     def on_train_start(self, trainer, pl_module):
-        for cb in trainer.callbacks:  # PlainProgress bound sys.stdout at import: mute it here
-            if isinstance(cb, PlainProgress):
-                cb.stream = io.StringIO()
+        mute_progress(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
@@ -107,7 +88,7 @@ def lightning_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float,
     """(step -> time, final train/loss, tokens/s the run itself logged)."""
     clock = StepClock(edges)
     with contextlib.redirect_stdout(io.StringIO()):  # W&B chatter
-        out = train.run(cfg, callbacks=[clock])
+        out = stabilize.train.run(cfg, callbacks=[clock])
     wandb.teardown()  # stop W&B's service process: it must not run during a bare pass
     logged = [
         float(row["perf/tokens_per_s"])

@@ -288,19 +288,24 @@ class StabilityCallback(L.Callback):
         if every and snap.step % every == 0 and trainer.is_global_zero:
             save_durable(snap, self.run_dir / "snapshots")
 
-    def _rollback(self, trainer, pl_module, event: Event) -> None:
-        decision = self.policy.decide(event, self.ring)
-        if decision.action == "abort":
-            self._abort(trainer, pl_module, event, decision.reason)
-        snap, remedy = decision.snapshot, decision.remedy
+    def restore(self, trainer, pl_module, st: dict) -> None:
+        """Load a snapshot's state into the live model, optimizer, scheduler, scaler and
+        monitors (no remedy, no data seek: that is _rollback's business)."""
         opt, sched, scaler = self._objects(trainer)
-        st = snap.state
         pl_module.model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])
         if scaler is not None and st["scaler"] is not None:
             scaler.load_state_dict(st["scaler"])
         self.suite.load_state_dict(st["monitors"])
+
+    def _rollback(self, trainer, pl_module, event: Event) -> None:
+        decision = self.policy.decide(event, self.ring)
+        if decision.action == "abort":
+            self._abort(trainer, pl_module, event, decision.reason)
+        snap, remedy = decision.snapshot, decision.remedy
+        st = snap.state
+        self.restore(trainer, pl_module, st)
         if self.injector is not None and st["fault"] is not None:
             self.injector.on_rollback(st["fault"])
         pl_module.model_step, pl_module.data_step = st["model_step"], st["data_step"]
@@ -312,7 +317,7 @@ class StabilityCallback(L.Callback):
         pl_module.apply_lr()  # remedies so far stay applied, on the restored step
         pl_module.remedies.append(remedy)
         pl_module.seek_data(pl_module.data_step)
-        opt.zero_grad(set_to_none=True)
+        trainer.optimizers[0].zero_grad(set_to_none=True)
         self.ring.ring = type(self.ring.ring)(
             [s for s in self.ring.ring if s.step <= snap.step], maxlen=self.ring.ring.maxlen
         )
