@@ -370,3 +370,30 @@ def test_resume_after_a_lower_lr_rollback_continues_like_the_uninterrupted_run(t
     assert b["stabilize"]["lr_scale"] == 0.5 and b["stabilize"]["remedies"] == ["lower_lr"]
     for k, v in a["state_dict"].items():
         assert torch.equal(v, b["state_dict"][k]), k
+
+
+@pytest.mark.parametrize("placement", ["pre", "post", "sandwich", "deepnorm"])
+def test_probe_block_and_norm_maxima_match_a_direct_measurement(placement):
+    """Whatever tensor the probe reads (its own block hook, or the next norm's input for
+    pre-norm, where they are the same tensor), it must equal |x| max measured directly."""
+    from stabilize.lit.probe import StabilityProbe
+    from stabilize.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", norm={"placement": placement, "backend": "explicit"}))
+    probe = StabilityProbe(model)
+    direct = {}
+    for i, block in enumerate(model.h):
+        block.register_forward_hook(
+            lambda m, a, out, i=i: direct.__setitem__(f"h.{i}", out.abs().max().item())
+        )
+    model.ln_f.register_forward_pre_hook(
+        lambda m, a: direct.__setitem__("ln_f", a[0].abs().max().item())
+    )
+    model.train()
+    probe.reset()
+    model(torch.randint(0, 256, (2, 32)))
+    maxima, counts = probe.vector("cpu")
+    named = probe.unpack(maxima.tolist(), counts.tolist())["act_max"]
+    for k, v in direct.items():
+        assert named[k] == pytest.approx(v, rel=1e-6), k

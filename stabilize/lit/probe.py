@@ -34,8 +34,19 @@ class StabilityProbe:
         self._norm: list[torch.Tensor | None] = [None] * len(self.norms)
         self._attn: list[torch.Tensor | None] = [None] * len(self.attn)
         self._q: list[torch.Tensor | None] = [None] * len(self.attn)
+        # Pre-norm and sandwich: block i's output is exactly the input of the next norm
+        # (h.{i+1}.ln_1, or ln_f after the last block), which the norm already measures;
+        # reading the same tensor twice would only cost another pass.
+        self._alias: dict[str, str] = {}
+        if model.cfg.norm.placement in ("pre", "sandwich"):
+            for i in range(len(self.blocks)):
+                nxt = f"h.{i + 1}.ln_1" if i + 1 < len(self.blocks) else "ln_f"
+                if nxt in self.norms:
+                    self._alias[self.blocks[i]] = nxt
+        self._norm_index = {name: j for j, name in enumerate(self.norms)}
         for i, block in enumerate(model.h):
-            self._handles.append(block.register_forward_hook(self._block_hook(i)))
+            if self.blocks[i] not in self._alias:
+                self._handles.append(block.register_forward_hook(self._block_hook(i)))
             self._handles.append(block.attn.q_norm.register_forward_hook(self._q_hook(i)))
             self._handles.append(block.attn.k_norm.register_forward_hook(self._k_hook(i)))
         modules = dict(model.named_modules())
@@ -112,7 +123,14 @@ class StabilityProbe:
         counts = [norm overflow rows..., norm collapsed rows...]
         """
         zero = torch.zeros((), device=device)
-        blocks = [v if v is not None else zero for v in self._block_max]
+        blocks = []
+        for i, name in enumerate(self.blocks):
+            if name in self._alias:  # measured by the next norm (its input |x| max)
+                v = self._norm[self._norm_index[self._alias[name]]]
+                blocks.append(v[0] if v is not None else zero)
+            else:
+                v = self._block_max[i]
+                blocks.append(v if v is not None else zero)
         attn = [v if v is not None else zero for v in self._attn]
         norms = [v if v is not None else torch.zeros(4, device=device) for v in self._norm]
         n = torch.stack(norms) if norms else torch.zeros(0, 4, device=device)  # [N, 4]
