@@ -50,12 +50,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import logging
 import os
 import statistics
 import tempfile
 import time
-import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -63,7 +61,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import wandb  # noqa: E402
 from benchlib import CONFIGS as BASE_CONFIGS  # noqa: E402  (sets the offline environment)
-from benchlib import compose_cfg, mute_progress  # noqa: E402
+from benchlib import compose_cfg, mute_progress, prepare  # noqa: E402
 
 import stabilize.train  # noqa: E402
 from stabilize.lit.config import RunConfig  # noqa: E402
@@ -342,18 +340,7 @@ def main() -> None:
     ap.add_argument("--logger", default="wandb", choices=["wandb", "none"], help="both arms")
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
     args = ap.parse_args()
-    if args.quick:
-        args.configs, args.repeats = "tiny", 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    names = args.configs.split(",")
-    for n in names:
-        if n not in CONFIGS:
-            ap.error(f"--configs: {n!r} is not one of {sorted(CONFIGS)}")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module=r"lightning\..*")
-    args.load = os.getloadavg()[0]  # > cores - threads: other jobs stall the OpenMP threads
+    names = prepare(ap, args, CONFIGS)
     with tempfile.TemporaryDirectory(prefix="bench_monitors-") as tmp:
         results = [bench(n, args, Path(tmp)) for n in names]
     report(results, args)

@@ -40,12 +40,10 @@ import argparse
 import contextlib
 import csv
 import io
-import logging
 import os
 import statistics
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import lightning as L  # noqa: E402
@@ -53,7 +51,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import wandb  # noqa: E402
 from benchlib import CONFIGS as BASE_CONFIGS  # noqa: E402  (sets the offline environment)
-from benchlib import compose_cfg, mute_progress  # noqa: E402
+from benchlib import compose_cfg, mute_progress, prepare  # noqa: E402
 
 import stabilize.train  # noqa: E402
 from stabilize.data import build_dataloaders  # noqa: E402
@@ -234,18 +232,7 @@ def main() -> None:
         "(the training loop alone; the defaults include the monitors)",
     )
     args = ap.parse_args()
-    if args.quick:
-        args.configs, args.repeats = "tiny", 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    names = args.configs.split(",")
-    for n in names:
-        if n not in CONFIGS:
-            ap.error(f"--configs: {n!r} is not one of {sorted(CONFIGS)}")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module=r"lightning\..*")
-    args.load = os.getloadavg()[0]  # > cores - threads: other jobs stall the OpenMP threads
+    names = prepare(ap, args, CONFIGS)
     with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
         results = [bench(n, args, Path(tmp)) for n in names]
     report(results, args)

@@ -43,3 +43,26 @@ def mute_progress(trainer) -> None:
     for cb in trainer.callbacks:
         if isinstance(cb, PlainProgress):
             cb.stream = io.StringIO()
+
+
+def prepare(ap, args, configs: dict) -> list[str]:
+    """After parsing: --quick, --threads, --configs checked, Lightning's chatter muted, and
+    the load average recorded (over cores - threads, other jobs stall OpenMP threads)."""
+    import logging
+    import warnings
+
+    import torch
+
+    if args.quick:
+        args.configs, args.repeats = "tiny", 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = args.configs.split(",")
+    for n in names:
+        if n not in configs:
+            ap.error(f"--configs: {n!r} is not one of {sorted(configs)}")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"lightning\..*")
+    args.load = os.getloadavg()[0]
+    return names
