@@ -9,7 +9,8 @@ measured in the same rounds, in the same dtype and shape:
 - ``out.copy_(x)``, a plain memory copy: the physical floor for a memory-bound op.
 
 Fairness on a noisy machine: every candidate is warmed up first (its first call, which
-includes torch.compile for compiled ones, is reported separately and not counted), then all
+includes torch.compile for compiled ones and the one-time C++ build, or cache load, of the
+``fused`` CPU kernel, is reported separately and not counted), then all
 candidates of a (dtype, shape) group run round-robin, one call each per round with the order
 rotated every round, and the median per candidate is kept.
 
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
         for d in args.dtypes:
             print(f"{d} {shape[0]}x{shape[1]}:", file=sys.stderr, flush=True)
             rows += measure_group(args, d, shape)
-    first = [r for r in rows if r.get("resolved") == "compiled" and "first_ms" in r]
+    first = [r for r in rows if r.get("resolved") in ("compiled", "fused") and "first_ms" in r]
     report = [
         f"# Norm fwd+bwd on {args.device}: torch {torch.__version__}, "
         f"{n} threads, median of {args.reps} interleaved rounds, "
@@ -252,10 +253,12 @@ def main(argv=None) -> int:
         *markdown(rows),
         "",
         *(SAME_NOTE if "input" in args.reductions and "fp32" in args.dtypes else []),
-        "First calls of compiled candidates (torch.compile included; not in the medians; a "
-        "graph is compiled once per group, by whichever candidate calls it first):",
+        "First calls of compiled and fused candidates (torch.compile, or the fused kernel's "
+        "one-time build or load, included; not in the medians; a graph is compiled once per "
+        "group, by whichever candidate calls it first):",
         *(
-            f"- {r['type']} {r['backend']} {r['dtype']} {r['shape']}: {r['first_ms'] / 1e3:.2f} s"
+            f"- {r['type']} {r['backend']} ({r['resolved']}) {r['dtype']} {r['shape']}: "
+            f"{r['first_ms'] / 1e3:.2f} s"
             for r in first
         ),
         *([] if first else ["- none"]),

@@ -15,9 +15,12 @@ Backends:
 - ``compiled``: ``torch.compile`` of the explicit form. Inductor computes 16-bit math in
   fp32 internally, so the same restriction as ``torch`` applies.
 - ``apex``: NVIDIA apex's fused kernels (CUDA only; fp32 statistics).
+- ``fused``: RMSNorm/ScaleNorm by stabilize.cpu_kernels, a C++ kernel JIT-built on first use
+  (CPU only; fp32 statistics; fp32/bf16/fp16 inputs).
 - ``auto``: the fastest backend that honours the setting on the device at hand. On CPU,
   ``F.rms_norm`` is unfused (6-21x slower than ``F.layer_norm`` in 16-bit and ~3-5x in
-  fp32 at [4096, 2048] fwd+bwd, torch 2.13), so auto compiles RMSNorm/ScaleNorm there;
+  fp32 at [4096, 2048] fwd+bwd, torch 2.13), so auto runs RMSNorm/ScaleNorm ``fused`` there,
+  else (no compiler or ninja, a failed build, fp64 input, inside torch.compile) ``compiled``;
   scripts/bench_norms.py measures it.
 
 What "reduce in fp16" means here: the statistics are *stored* in the reduction dtype, as
@@ -38,15 +41,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stabilize import cpu_kernels
 from stabilize.numerics import dtype_from_name
 from stabilize.validate import check_choice, check_positive
 
 NORM_TYPES = ("layernorm", "rmsnorm", "scalenorm")
 REDUCTION_DTYPES = ("fp32", "bf16", "fp16", "input")
-BACKENDS = ("auto", "torch", "explicit", "compiled", "apex")
+BACKENDS = ("auto", "torch", "explicit", "compiled", "apex", "fused")
 PLACEMENTS = ("pre", "post", "sandwich", "deepnorm")
 # Backends that compute statistics in max(input dtype, fp32), whatever they are asked.
-_FP32_BACKENDS = ("torch", "compiled", "apex")
+_FP32_BACKENDS = ("torch", "compiled", "apex", "fused")
 
 APEX_HELP = (
     "NVIDIA apex is not importable. It is not on PyPI (the PyPI package named 'apex' is an "
@@ -81,11 +85,16 @@ class NormConfig:
         check_choice("norm.reduction_dtype", self.reduction_dtype, REDUCTION_DTYPES)
         check_choice("norm.backend", self.backend, BACKENDS)
         check_choice("norm.placement", self.placement, PLACEMENTS)
-        check_backend_supports(self.backend, self.reduction_dtype)
+        check_backend_supports(self.backend, self.reduction_dtype, self.type)
 
 
-def check_backend_supports(backend: str, reduction_dtype: str) -> None:
-    """Fail early when a backend can never honour the reduction dtype."""
+def check_backend_supports(backend: str, reduction_dtype: str, kind: str | None = None) -> None:
+    """Fail early when a backend can never honour the reduction dtype (or norm type)."""
+    if backend == "fused" and kind == "layernorm":
+        raise ValueError(
+            "norm.backend='fused' cannot run norm.type='layernorm': it fuses RMSNorm and "
+            "ScaleNorm only. Use norm.backend='auto' (F.layer_norm)."
+        )
     if backend in _FP32_BACKENDS and reduction_dtype in ("bf16", "fp16"):
         raise ValueError(
             f"norm.backend={backend!r} cannot honour norm.reduction_dtype={reduction_dtype!r}: "
@@ -226,13 +235,24 @@ def has_cpp_compiler() -> bool:
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
-def auto_backend(kind: str, device_type: str) -> str:
-    """The fastest backend for a norm whose reduction a fused kernel can honour."""
+def auto_backend(kind: str, device_type: str, dtype: torch.dtype | None = None) -> str:
+    """The fastest backend for a norm whose reduction a fused kernel can honour.
+
+    On CPU the first call for RMSNorm/ScaleNorm builds the fused kernel (once, ~30-40 s cold).
+    Inside torch.compile it is skipped: an opaque C++ call would break the graph, and the
+    compiled explicit form traces into it instead.
+    """
     if kind == "layernorm" or device_type == "cuda":
         return "torch"
-    if device_type == "cpu" and has_cpp_compiler():
-        return "compiled"
-    return "explicit"
+    if device_type != "cpu":
+        return "explicit"
+    if (
+        dtype in (None, *cpu_kernels.DTYPES)
+        and not torch.compiler.is_compiling()
+        and cpu_kernels.available()
+    ):
+        return "fused"
+    return "compiled" if has_cpp_compiler() else "explicit"
 
 
 def _fused_reduction_ok(red_name: str, x_dtype: torch.dtype) -> bool:
@@ -287,20 +307,33 @@ class Norm(nn.Module):
     @reduction_dtype.setter
     def reduction_dtype(self, value: str) -> None:
         check_choice("norm.reduction_dtype", value, REDUCTION_DTYPES)
-        check_backend_supports(self.backend, value)
+        check_backend_supports(self.backend, value, self.kind)
         self._reduction = value
 
     def resolve_backend(self, x: torch.Tensor) -> str:
         """The backend that will run for this input (auto resolved, settings checked)."""
         fused_ok = _fused_reduction_ok(self._reduction, x.dtype)
         if self.backend == "auto":
-            return auto_backend(self.kind, x.device.type) if fused_ok else "explicit"
+            return auto_backend(self.kind, x.device.type, x.dtype) if fused_ok else "explicit"
         if self.backend in _FP32_BACKENDS and not fused_ok:
             raise ValueError(
                 f"norm.backend={self.backend!r} cannot honour "
                 f"norm.reduction_dtype={self._reduction!r} for {x.dtype} input: it reduces in "
                 f"max(input dtype, fp32). Use norm.backend='explicit' or 'auto'."
             )
+        if self.backend == "fused":
+            act = activation_dtype(x)
+            if not cpu_kernels.supports(x, act):
+                raise ValueError(
+                    f"norm.backend='fused' cannot run a {x.device.type} {x.dtype} input with "
+                    f"activation dtype {act}: it is a CPU kernel for "
+                    f"{[str(d) for d in cpu_kernels.DTYPES]}. Use norm.backend='auto'."
+                )
+            if not cpu_kernels.available():
+                raise RuntimeError(
+                    f"norm.backend='fused': the CPU kernel could not be built "
+                    f"({cpu_kernels.unavailable_reason()}). Use norm.backend='auto'."
+                )
         return self.backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -318,6 +351,8 @@ class Norm(nn.Module):
                 y, ms = _explicit(self.kind, x, self.weight, self.bias, self.eps, red, act)
             elif backend == "compiled":
                 y = compiled_norm(self.kind, x, self.weight, self.bias, self.eps, act)
+            elif backend == "fused":
+                y = cpu_kernels.fused_rms_norm(self.kind, x, self.weight, self.eps, act)
             elif backend == "apex":
                 y = apex_norm(self.kind, x, self.weight, self.bias, self.eps, act)
             else:

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PURE = [
     ROOT / "stabilize" / "numerics.py",
     ROOT / "stabilize" / "norms.py",
+    ROOT / "stabilize" / "cpu_kernels.py",
     *sorted((ROOT / "stabilize" / "model").glob("*.py")),
 ]
 FORBIDDEN = ("lightning", "pytorch_lightning", "hydra", "omegaconf", "wandb", "torch.distributed")

@@ -1,0 +1,399 @@
+"""A fused CPU RMSNorm/ScaleNorm (fp32 statistics), JIT-built from C++ on first use.
+
+Why: on CPU, ``F.rms_norm`` is unfused and inductor will not fuse RMSNorm's dgamma column
+reduction into the dx row loop, so the ``compiled`` backend ran ~1.3x ``F.layer_norm`` in
+fp32 (docs/norms.md). Here one pass per row does the forward (y and the row's rstd), and one
+pass per row does the backward (dx, with dgamma accumulated into per-block partial rows that
+are summed at the end), threaded with at::parallel_for so it follows torch.set_num_threads.
+
+Numerics are the explicit backend's with reduction_dtype=fp32: x cast to fp32, sum of
+squares, ``ss / D + eps`` (ScaleNorm: ``ss + eps``) and rsqrt in fp32; the normalized row is
+rounded to the activation dtype, then multiplied by gamma cast to that dtype and rounded
+again. The backward works in fp32 and rounds once, to x's dtype (dx) and to the activation
+dtype (dgamma, which autograd then casts to the parameter's dtype, as for explicit).
+16-bit *reductions* are not done here; float64 and CUDA tensors are not either (callers
+check ``supports``). No double backward.
+
+Portability: the build cache (torch's extensions dir) may be reused on another CPU, so no
+-march=native. The float loops carry GCC/clang ``target_clones`` (an x86-64-v3 copy picked
+at load time, else baseline SSE2), fp16 conversion uses F16C when the CPU has it. Any
+failure to build (no compiler, no ninja, a compile error) makes ``load`` return None once,
+with the reason in ``unavailable_reason()``; the caller then falls back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CPP = r"""
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define SN_X86 1
+#if defined(__ELF__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+// One copy per ISA, chosen at load time: fast on AVX2 machines, still runs on any x86-64.
+#define SN_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+#endif
+#endif
+#ifndef SN_CLONES
+#define SN_CLONES
+#endif
+
+enum Dt : int64_t { F32 = 0, BF16 = 1, F16 = 2 };
+using u16 = uint16_t;
+
+// ---- float loops (vectorized per clone; a row fits in L1, so extra passes are cheap) ----
+SN_CLONES static float sumsq(const float* x, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+SN_CLONES static float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+SN_CLONES static void scale(const float* x, float r, float* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = x[i] * r;
+}
+SN_CLONES static void mul(const float* a, const float* b, float* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = a[i] * b[i];
+}
+static inline float round_bf16(float f) {  // fp32 -> bf16 -> fp32, as c10 (nearest even)
+  uint32_t u; std::memcpy(&u, &f, 4);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  float r; std::memcpy(&r, &u, 4);
+  return f != f ? f : r;
+}
+// One function per rounding, no flags: GCC unswitches a flag out of the loop and then does
+// not vectorize the copies (measured: 4x slower backward).
+// Forward output of a row: y_hat * gamma, y_hat = x * r rounded to the activation dtype.
+#define SN_FWD(NAME, V)                                                                   \
+  SN_CLONES static void NAME(const float* x, float r, const float* w, float* o, int64_t n) { \
+    _Pragma("omp simd") for (int64_t i = 0; i < n; ++i) o[i] = (V) * w[i];               \
+  }
+SN_FWD(fwd_f32, x[i] * r)
+SN_FWD(fwd_bf16, round_bf16(x[i] * r))
+// Backward, first pass over a row: acc (dgamma) += gy * y_hat (recomputed as the forward
+// rounded it, or precomputed in t); g = gy * gamma; returns g . x.
+#define SN_PASS1(NAME, V)                                                                  \
+  SN_CLONES static float NAME(const float* x, const float* gy, const float* w, float r,    \
+                              const float* t, float* acc, float* g, int64_t n) {           \
+    float s = 0.f;                                                                         \
+    _Pragma("omp simd reduction(+ : s)") for (int64_t i = 0; i < n; ++i) {                 \
+      acc[i] += gy[i] * (V);                                                               \
+      g[i] = gy[i] * w[i];                                                                 \
+      s += g[i] * x[i];                                                                    \
+    }                                                                                      \
+    return s;                                                                              \
+  }
+SN_PASS1(pass1_f32, x[i] * r)
+SN_PASS1(pass1_bf16, round_bf16(x[i] * r))
+SN_PASS1(pass1_pre, t[i])
+SN_CLONES static void dx_row(const float* g, const float* x, float r, float c, float* o,
+                             int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = r * g[i] - c * x[i];
+}
+// bf16 <-> fp32 bit for bit as c10::BFloat16: widen by shifting; narrow round-to-nearest-even.
+SN_CLONES static void bf2f(const u16* s, float* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) { uint32_t u = uint32_t(s[i]) << 16; std::memcpy(d + i, &u, 4); }
+}
+SN_CLONES static void f2bf(const float* s, u16* d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u; std::memcpy(&u, s + i, 4);
+    u16 r = u16((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    d[i] = s[i] != s[i] ? u16(0x7FC0) : r;
+  }
+}
+// fp16: F16C instructions where the CPU has them (compilers do not vectorize _Float16), else c10.
+#ifdef SN_X86
+__attribute__((target("avx2,f16c"))) static void h2f_f16c(const u16* s, float* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i))));
+  for (; i < n; ++i) d[i] = _cvtsh_ss(s[i]);
+}
+__attribute__((target("avx2,f16c"))) static void f2h_f16c(const float* s, u16* d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128((__m128i*)(d + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) d[i] = _cvtss_sh(s[i], _MM_FROUND_TO_NEAREST_INT);
+}
+static bool has_f16c() {
+  static const bool v = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") &&
+                                                   __builtin_cpu_supports("f16c"));
+  return v;
+}
+#endif
+static void h2f(const u16* s, float* d, int64_t n) {
+#ifdef SN_X86
+  if (has_f16c()) return h2f_f16c(s, d, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) d[i] = float(c10::Half(s[i], c10::Half::from_bits()));
+}
+static void f2h(const float* s, u16* d, int64_t n) {
+#ifdef SN_X86
+  if (has_f16c()) return f2h_f16c(s, d, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) d[i] = c10::Half(s[i]).x;
+}
+
+// ---- rows of any dtype <-> float ----
+static const float* load(const at::Tensor& t, int64_t row, float* buf) {
+  const int64_t n = t.size(1);
+  if (t.scalar_type() == at::kFloat) return t.data_ptr<float>() + row * n;  // no copy
+  const u16* s = reinterpret_cast<const u16*>(t.data_ptr()) + row * n;
+  if (t.scalar_type() == at::kBFloat16) bf2f(s, buf, n); else h2f(s, buf, n);
+  return buf;
+}
+static void store(const float* s, at::Tensor& t, int64_t row) {
+  const int64_t n = t.size(1);
+  if (t.scalar_type() == at::kFloat) {
+    std::memcpy(t.data_ptr<float>() + row * n, s, n * 4);
+    return;
+  }
+  u16* d = reinterpret_cast<u16*>(t.data_ptr()) + row * n;
+  if (t.scalar_type() == at::kBFloat16) f2bf(s, d, n); else f2h(s, d, n);
+}
+// Round a float row to the activation dtype in place (what .to(act) does to a fp32 tensor).
+static void round_to(at::ScalarType act, float* v, u16* tmp, int64_t n) {
+  if (act == at::kBFloat16) { f2bf(v, tmp, n); bf2f(tmp, v, n); }
+  if (act == at::kHalf) { f2h(v, tmp, n); h2f(tmp, v, n); }
+}
+// Enough rows per task that a thread's share is worth waking it for.
+static int64_t grain(int64_t d) { return std::max<int64_t>(1, 32768 / d); }
+// dgamma partials per fixed block of rows: the sum does not depend on the thread count.
+static constexpr int64_t kBlock = 32;
+
+// x: [N, D] contiguous; w: [D] fp32, gamma already cast to the activation dtype (or empty).
+std::vector<at::Tensor> rms_forward(const at::Tensor& x, const at::Tensor& w, double eps,
+                                    bool mean, int64_t act_code) {
+  const at::ScalarType act =
+      act_code == BF16 ? at::kBFloat16 : (act_code == F16 ? at::kHalf : at::kFloat);
+  const int64_t N = x.size(0), D = x.size(1);
+  at::Tensor y = at::empty({N, D}, x.options().dtype(act));
+  at::Tensor rstd = at::empty({N}, x.options().dtype(at::kFloat));
+  const std::vector<float> ones(w.numel() ? 0 : D, 1.f);  // no gamma: * 1 is exact
+  const float* wp = w.numel() ? w.data_ptr<float>() : ones.data();
+  float* rp = rstd.data_ptr<float>();
+  const float epsf = float(eps), dd = float(D);
+  at::parallel_for(0, N, grain(D), [&](int64_t r0, int64_t r1) {
+    std::vector<float> xb(D), t(D);
+    std::vector<u16> tmp(D);
+    for (int64_t i = r0; i < r1; ++i) {
+      const float* xf = load(x, i, xb.data());
+      const float ss = sumsq(xf, D);
+      const float r = 1.f / std::sqrt((mean ? ss / dd : ss) + epsf);  // as torch.rsqrt
+      rp[i] = r;
+      // explicit: (x * r).to(act) * gamma.to(act), rounded again by the store
+      float* o = act == at::kFloat ? y.data_ptr<float>() + i * D : t.data();
+      if (act == at::kHalf) {
+        scale(xf, r, o, D);
+        round_to(act, o, tmp.data(), D);
+        mul(o, wp, o, D);
+      } else {
+        (act == at::kFloat ? fwd_f32 : fwd_bf16)(xf, r, wp, o, D);
+      }
+      if (act != at::kFloat) store(o, y, i);
+    }
+  });
+  return {y, rstd};
+}
+
+// gy: [N, D] contiguous in the activation dtype; returns dx (x's dtype) and dgamma (fp32).
+std::vector<at::Tensor> rms_backward(const at::Tensor& gy, const at::Tensor& x,
+                                     const at::Tensor& rstd, const at::Tensor& w, bool mean) {
+  const int64_t N = x.size(0), D = x.size(1), nb = (N + kBlock - 1) / kBlock;
+  const at::ScalarType act = gy.scalar_type();
+  at::Tensor dx = at::empty_like(x);
+  const float* wp = w.numel() ? w.data_ptr<float>() : nullptr;
+  at::Tensor part = at::empty({wp ? nb : 0, D}, x.options().dtype(at::kFloat));
+  const float* rp = rstd.data_ptr<float>();
+  const float inv = mean ? 1.f / float(D) : 1.f;
+  at::parallel_for(0, nb, std::max<int64_t>(1, grain(D) / kBlock), [&](int64_t b0, int64_t b1) {
+    std::vector<float> xb(D), gb(D), t(D), g(D);
+    std::vector<u16> tmp(D);
+    for (int64_t b = b0; b < b1; ++b) {
+      float* pb = wp ? part.data_ptr<float>() + b * D : nullptr;
+      if (pb) std::fill(pb, pb + D, 0.f);
+      for (int64_t i = b * kBlock; i < std::min(N, (b + 1) * kBlock); ++i) {
+        const float* xf = load(x, i, xb.data());
+        const float* gf = load(gy, i, gb.data());
+        const float r = rp[i];
+        const float* gx = gf;  // dL/d(x * r)
+        float gdotx;
+        if (wp) {
+          auto pass1 = act == at::kFloat ? pass1_f32 : pass1_bf16;
+          if (act == at::kHalf) {  // no inline fp16 rounding in portable code: a pass more
+            scale(xf, r, t.data(), D);
+            round_to(act, t.data(), tmp.data(), D);
+            pass1 = pass1_pre;
+          }
+          gdotx = pass1(xf, gf, wp, r, t.data(), pb, g.data(), D);
+          gx = g.data();
+        } else {
+          gdotx = dot(gx, xf, D);
+        }
+        // d/dx of x * (mean x^2 + eps)^-1/2: r * g - x * r^3 * (g . x) / D
+        float* o = x.scalar_type() == at::kFloat ? dx.data_ptr<float>() + i * D : t.data();
+        dx_row(gx, xf, r, r * r * r * gdotx * inv, o, D);
+        if (x.scalar_type() != at::kFloat) store(o, dx, i);
+      }
+    }
+  });
+  at::Tensor dw = at::zeros({wp ? D : 0}, x.options().dtype(at::kFloat));
+  if (wp) {
+    float* dp = dw.data_ptr<float>();
+    const float* pp = part.data_ptr<float>();
+    at::parallel_for(0, D, 2048, [&](int64_t j0, int64_t j1) {
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t j = j0; j < j1; ++j) dp[j] += pp[b * D + j];
+    });
+  }
+  return {dx, dw};
+}
+"""
+
+# The cache key: a changed source, flag, torch or Python builds under a new name.
+_CFLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for is inline; torch's libgomp serves it
+_LDFLAGS = ["-fopenmp"]
+_KEY = repr((_CPP, _CFLAGS, _LDFLAGS, torch.__version__, sys.version))
+_NAME = "stabilize_fused_rmsnorm_" + hashlib.sha1(_KEY.encode()).hexdigest()[:10]
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_STALE_LOCK_S = 600  # a build killed mid-way leaves torch's lock file: wait for it forever
+
+_lock = threading.Lock()
+_reason: str | None = None
+
+
+def _tool_dirs() -> list[str]:
+    """Where a pip-installed ninja lives: the venv's bin (not on PATH when python is run by
+    full path) and the ninja package's own bin dir."""
+    dirs = [os.path.dirname(sys.executable)]
+    with contextlib.suppress(ImportError):
+        import ninja  # type: ignore[import-not-found]
+
+        dirs.append(ninja.BIN_DIR)
+    return dirs
+
+
+def missing_tools(path: str | None = None) -> list[str]:
+    """The build tools not found on ``path`` (default: PATH plus the venv's bin)."""
+    path = os.pathsep.join([*_tool_dirs(), os.environ.get("PATH", "")]) if path is None else path
+    cxx = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension compiles with
+    missing = [] if shutil.which(cxx, path=path) else [f"C++ compiler ({cxx})"]
+    return missing + ([] if shutil.which("ninja", path=path) else ["ninja"])
+
+
+def build(name: str = _NAME, cflags: list[str] | None = None):
+    """Compile and import the extension; None (and a logged warning) on any failure."""
+    from torch.utils import cpp_extension
+
+    if missing := missing_tools():
+        return _fail(f"{' and '.join(missing)} not found (pip install ninja for ninja)")
+    old_path = os.environ.get("PATH", "")
+    try:
+        os.environ["PATH"] = os.pathsep.join([*_tool_dirs(), old_path])
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        build_dir = os.path.join(root, name)
+        os.makedirs(build_dir, exist_ok=True)
+        lock = os.path.join(build_dir, "lock")
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
+            log.warning("removing stale build lock %s", lock)
+            os.remove(lock)
+        if not any(f.endswith(".so") for f in os.listdir(build_dir)):
+            log.info("building fused CPU RMSNorm kernel (once)")
+        return cpp_extension.load_inline(
+            name,
+            cpp_sources=[_CPP],
+            functions=["rms_forward", "rms_backward"],
+            extra_cflags=_CFLAGS if cflags is None else cflags,
+            extra_ldflags=_LDFLAGS,
+            build_directory=build_dir,
+        )
+    except Exception as e:  # a compile or link error must never stop training
+        return _fail(f"build failed: {str(e).strip().splitlines()[-1] if str(e) else e!r}")
+    finally:
+        os.environ["PATH"] = old_path
+
+
+def _fail(reason: str) -> None:
+    global _reason
+    _reason = reason
+    log.warning("fused CPU RMSNorm kernel unavailable (%s); falling back", reason)
+    return None
+
+
+@functools.cache
+def _load_cached():
+    return build()
+
+
+def load():
+    """The built extension module, or None when it cannot be built (once per process)."""
+    with _lock:
+        return _load_cached()
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``load`` returned None (None while it has not been called or has succeeded)."""
+    return _reason
+
+
+def supports(x: torch.Tensor, act: torch.dtype) -> bool:
+    """Can the kernel run this input? CPU, fp32/bf16/fp16 input and activation dtype."""
+    return x.device.type == "cpu" and x.dtype in DTYPES and act in DTYPES
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, eps, mean, act):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        wf = x2.new_empty(0, dtype=torch.float32) if w is None else w.float().contiguous()
+        y, rstd = load().rms_forward(x2, wf, eps, mean, _CODES[act])
+        ctx.save_for_backward(x2, rstd, wf)
+        ctx.info = (x.shape, None if w is None else w.dtype, mean)
+        return y.view(x.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x2, rstd, wf = ctx.saved_tensors
+        shape, w_dtype, mean = ctx.info
+        gy2 = gy.reshape(x2.shape).contiguous()
+        dx, dw = load().rms_backward(gy2, x2, rstd, wf, mean)
+        return dx.view(shape), None if w_dtype is None else dw.to(w_dtype), None, None, None
+
+
+def fused_rms_norm(kind, x, weight, eps, act):
+    """RMSNorm (``kind="rmsnorm"``, gamma [D]) or ScaleNorm (``"scalenorm"``, scalar g) with
+    fp32 statistics, output in ``act``. Call only when ``available()`` and ``supports``."""
+    w = None if weight is None else weight.to(act)  # explicit casts gamma first, too
+    if w is not None and w.dim() == 0:
+        w = w.expand(x.shape[-1])  # ScaleNorm's g: the backward of expand sums dgamma
+    return _FusedRMSNorm.apply(x, w, float(eps), kind == "rmsnorm", act)

@@ -1,0 +1,248 @@
+"""The fused CPU RMSNorm/ScaleNorm kernel against independent references (float64 formulas
+written here, F.rms_norm), and the rules that decide when it runs or falls back.
+
+The kernel is built once per session (~30-40 s cold, then cached on disk); without a C++
+compiler or ninja the numeric tests skip and the fallback tests still run."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stabilize import cpu_kernels
+from stabilize.norms import NormConfig, auto_backend, build_norm, has_cpp_compiler
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# rel. error of a 16-bit result: about one rounding of the output (and of gamma's product)
+TOL = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+GTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_kernels.available():
+        pytest.skip(f"fused CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
+    return cpu_kernels.load()
+
+
+def ref(kind, x, w, eps):
+    """float64: x / sqrt(mean x^2 + eps) * w (ScaleNorm: sum instead of mean, scalar w)."""
+    x = x.double()
+    stat = (x**2).mean(-1, keepdim=True) if kind == "rmsnorm" else (x**2).sum(-1, keepdim=True)
+    y = x / torch.sqrt(stat + eps)
+    return y if w is None else y * w.double()
+
+
+def fused(kind, d, eps=1e-5, affine=True, seed=0):
+    norm = build_norm(
+        d, NormConfig(type=kind, backend="fused", reduction_dtype="fp32", eps=eps, affine=affine)
+    )
+    if affine:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            norm.weight.copy_(norm.weight + 0.5 * torch.randn(norm.weight.shape, generator=g))
+    return norm
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def run_both(norm, x, gy, eps):
+    """Fused fwd+bwd, and the float64 reference fwd+bwd on the same values."""
+    x = x.detach().requires_grad_()
+    y = norm(x)
+    y.backward(gy)
+    x64 = x.detach().double().requires_grad_()
+    w64 = None if norm.weight is None else norm.weight.detach().double().requires_grad_()
+    r = ref(norm.kind, x64, w64, eps)
+    r.backward(gy.double())
+    return y, x.grad, r, x64.grad, w64
+
+
+# ---- numerics -----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["rmsnorm", "scalenorm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fwd_bwd_match_float64_including_dgamma(kernel, kind, dtype):
+    torch.manual_seed(1)
+    norm = fused(kind, 96).to(dtype)
+    x = (3 * torch.randn(70, 96) + 0.7).to(dtype)  # 70 rows: three dgamma blocks
+    gy = torch.randn(70, 96).to(dtype)
+    y, gx, r, gx64, w64 = run_both(norm, x, gy, 1e-5)
+    assert y.dtype == gx.dtype == norm.weight.grad.dtype == dtype
+    assert rel_err(y, r) < TOL[dtype]
+    assert rel_err(gx, gx64) < GTOL[dtype]
+    assert rel_err(norm.weight.grad, w64.grad) < GTOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_agrees_with_the_explicit_backend(kernel, dtype):
+    """Same rounding order as explicit: (x * r).to(act) * gamma.to(act)."""
+    torch.manual_seed(2)
+    x = (2 * torch.randn(33, 128)).to(dtype)
+    f, e = fused("rmsnorm", 128), build_norm(128, NormConfig(type="rmsnorm", backend="explicit"))
+    e.load_state_dict(f.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), e(x))
+
+
+def test_matches_f_rms_norm_fp32(kernel):
+    torch.manual_seed(3)
+    norm, x = fused("rmsnorm", 64), torch.randn(9, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-5))
+
+
+def test_non_contiguous_and_3d_inputs_match_the_contiguous_2d_result(kernel):
+    torch.manual_seed(4)
+    norm = fused("rmsnorm", 32)
+    base = torch.randn(32, 2, 5, 3)  # x[..., 0] is [32, 2, 5]: last dim strided
+    x3 = base[..., 0].permute(1, 2, 0)  # [B=2, T=5, D=32], non-contiguous
+    assert not x3.is_contiguous()
+    gy = torch.randn(2, 5, 32)
+    y, gx, r, gx64, _ = run_both(norm, x3, gy, 1e-5)
+    dw = norm.weight.grad.clone()
+    norm.weight.grad = None
+    y2, gx2, *_ = run_both(norm, x3.contiguous().view(10, 32), gy.view(10, 32), 1e-5)
+    assert y.shape == gx.shape == (2, 5, 32)
+    torch.testing.assert_close(y.view(10, 32), y2, rtol=0, atol=0)
+    torch.testing.assert_close(gx.reshape(10, 32), gx2, rtol=0, atol=0)
+    torch.testing.assert_close(dw, norm.weight.grad, rtol=0, atol=0)
+    assert rel_err(y, r) < 1e-6 and rel_err(gx, gx64) < 1e-5
+
+
+def test_row_of_zeros_gives_zeros_and_the_eps_gradient(kernel):
+    norm = fused("rmsnorm", 16, eps=1e-5)
+    x = torch.randn(3, 16)
+    x[1] = 0.0
+    gy = torch.randn(3, 16)
+    y, gx, r, gx64, w64 = run_both(norm, x, gy, 1e-5)
+    assert torch.all(y[1] == 0)
+    # d/dx of x / sqrt(eps) at x = 0: gy * w / sqrt(eps), by hand
+    expect = gy[1] * norm.weight.detach() / math.sqrt(1e-5)
+    torch.testing.assert_close(gx[1], expect, rtol=1e-5, atol=0)
+    assert rel_err(gx, gx64) < 1e-5
+
+
+def test_eps_is_added_to_the_mean_square(kernel):
+    x = 0.01 * torch.randn(4, 64)  # mean square ~1e-4: eps = 1e-2 dominates it
+    with torch.no_grad():
+        small, big = fused("rmsnorm", 64, eps=1e-6)(x), fused("rmsnorm", 64, eps=1e-2)(x)
+    w = fused("rmsnorm", 64).weight.detach()
+    assert rel_err(small, ref("rmsnorm", x, w, 1e-6)) < 1e-6
+    assert rel_err(big, ref("rmsnorm", x, w, 1e-2)) < 1e-6
+    assert big.abs().max() < 0.2 * small.abs().max()
+
+
+def test_no_affine_and_scalenorm_scalar_gain(kernel):
+    torch.manual_seed(5)
+    x, gy = torch.randn(6, 40), torch.randn(6, 40)
+    y, gx, r, gx64, _ = run_both(fused("rmsnorm", 40, affine=False), x, gy, 1e-5)
+    assert rel_err(y, r) < 1e-6 and rel_err(gx, gx64) < 1e-5
+    sn = fused("scalenorm", 40)
+    assert sn.weight.dim() == 0
+    y, gx, r, gx64, w64 = run_both(sn, x, gy, 1e-5)
+    assert rel_err(y, r) < 1e-6 and rel_err(gx, gx64) < 1e-5
+    assert rel_err(sn.weight.grad, w64.grad) < 1e-5
+
+
+def test_under_fp16_autocast_output_is_fp16_and_grads_stay_fp32(kernel):
+    torch.manual_seed(6)
+    norm = fused("rmsnorm", 64)
+    x = (3 * torch.randn(8, 64)).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert norm.resolve_backend(x) == "fused"
+        y = norm(x)
+        y.float().backward(torch.ones(8, 64))
+    assert y.dtype == torch.float16
+    assert x.grad.dtype == norm.weight.grad.dtype == torch.float32
+    x64 = x.detach().double().requires_grad_()
+    w64 = norm.weight.detach().double().requires_grad_()
+    r = ref("rmsnorm", x64, w64, 1e-5)
+    r.sum().backward()
+    assert rel_err(y, r) < 2e-3
+    assert rel_err(x.grad, x64.grad) < 5e-3
+    assert rel_err(norm.weight.grad, w64.grad) < 2e-3
+
+
+def test_result_does_not_depend_on_the_thread_count(kernel):
+    """dgamma is summed per fixed block of rows, not per thread: bit-identical results."""
+    torch.manual_seed(7)
+    norm, x, gy = fused("rmsnorm", 256), torch.randn(300, 256), torch.randn(300, 256)
+    before, out = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            norm.weight.grad = None
+            y, gx, *_ = run_both(norm, x, gy, 1e-5)
+            out.append((y, gx, norm.weight.grad))
+    finally:
+        torch.set_num_threads(before)
+    for other in out[1:]:
+        for a, b in zip(out[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_builds_once(kernel):
+    assert cpu_kernels.load() is kernel
+
+
+# ---- when it runs, and the fallback ----------------------------------------------------------
+def test_missing_tools_are_named(monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    assert cpu_kernels.missing_tools(path="") == ["C++ compiler (c++)", "ninja"]
+    if shutil.which("c++"):
+        assert "C++ compiler (c++)" not in cpu_kernels.missing_tools()
+
+
+def test_a_failed_build_falls_back_with_its_reason(tmp_path, monkeypatch, caplog):
+    """A real compiler run that fails (an unknown flag): None and a warning, no exception."""
+    if cpu_kernels.missing_tools():
+        pytest.skip(f"no build tools: {cpu_kernels.missing_tools()}")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_reason", None)  # restored afterwards
+    with caplog.at_level(logging.WARNING, logger="stabilize.cpu_kernels"):
+        mod = cpu_kernels.build(name="stabilize_bad_flag", cflags=["--no-such-flag-xyz"])
+    assert mod is None
+    assert "build failed" in cpu_kernels.unavailable_reason()
+    assert "falling back" in caplog.text
+
+
+def test_auto_falls_back_to_compiled_when_the_kernel_is_unavailable(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "_reason", "ninja not found")
+    expect = "compiled" if has_cpp_compiler() else "explicit"
+    assert auto_backend("rmsnorm", "cpu") == expect
+    norm = build_norm(8, NormConfig(type="rmsnorm", backend="fused"))
+    with pytest.raises(RuntimeError, match="could not be built \\(ninja not found\\)"):
+        norm.resolve_backend(torch.randn(2, 8))
+
+
+def test_auto_picks_fused_only_where_it_can_run(kernel):
+    x = torch.randn(2, 8)
+    for kind in ("rmsnorm", "scalenorm"):
+        assert build_norm(8, NormConfig(type=kind)).resolve_backend(x) == "fused"
+        # fp64 input with an "input" reduction: not the kernel's dtype -> compiled as before
+        norm = build_norm(8, NormConfig(type=kind, reduction_dtype="input"))
+        assert norm.resolve_backend(x.double()) == "compiled"
+    assert build_norm(8, NormConfig(type="layernorm")).resolve_backend(x) == "torch"
+
+
+def test_fused_refuses_what_it_cannot_honour():
+    with pytest.raises(ValueError, match="cannot honour norm.reduction_dtype='fp16'"):
+        NormConfig(type="rmsnorm", backend="fused", reduction_dtype="fp16")
+    with pytest.raises(ValueError, match="RMSNorm and ScaleNorm only"):
+        NormConfig(type="layernorm", backend="fused")
+    norm = build_norm(8, NormConfig(type="rmsnorm", backend="fused", reduction_dtype="input"))
+    with pytest.raises(ValueError, match="reduction_dtype='input' for torch.bfloat16"):
+        norm.resolve_backend(torch.randn(2, 8, dtype=torch.bfloat16))  # a 16-bit reduction
+    norm = build_norm(8, NormConfig(type="rmsnorm", backend="fused"))
+    with pytest.raises(ValueError, match="cannot run a meta"):  # any non-CPU device
+        norm.resolve_backend(torch.empty(2, 8, device="meta"))
+    with pytest.raises(ValueError, match=r"'fused'\]"):  # the allowed list names it
+        NormConfig(backend="triton")
