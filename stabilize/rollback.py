@@ -50,14 +50,67 @@ class RollbackConfig:
             check_choice(f"rollback.ladder[{i}]", r, REMEDIES)
 
 
-def to_cpu(obj: Any) -> Any:
-    """A deep copy with every tensor cloned to host memory (snapshots outlive the step)."""
-    if isinstance(obj, torch.Tensor):
+_ATOMIC = (int, float, bool, str, bytes, type(None))
+
+
+def to_cpu(obj: Any, into: Any = None) -> Any:
+    """A deep copy with every tensor copied to host memory (snapshots outlive the step).
+
+    ``into``: an earlier copy of the same structure (a snapshot that left the ring): a
+    tensor whose counterpart there has the same shape and dtype is written into it
+    instead of a new allocation (no allocation, no page faults: the ring reuses its
+    buffers). Whatever does not match is allocated afresh; non-tensors are always copied
+    anew, never mutated in place. A tensor that appears twice (a tied weight under two
+    names in a state dict) is copied once and shared, as torch.save would. The copies are
+    made by one ``torch._foreach_copy_`` (one dispatch, not one per tensor).
+    """
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    out = _copy_tree(obj, into, {}, set(), dst, src)
+    if dst:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
+    return out
+
+
+def _copy_tree(obj, into, copies: dict, used: set, dst: list, src: list) -> Any:
+    """to_cpu's walk: the structure now, the tensor copies queued in (dst, src)."""
+    kind = type(obj)
+    if kind in _ATOMIC:
+        return obj
+    if (kind is torch.Tensor or kind is torch.nn.Parameter) and obj.layout == torch.strided:
+        key = (obj.device, obj.data_ptr(), obj.dtype, obj.shape, obj.stride())
+        out = copies.get(key)
+        if out is not None:
+            return out
+        if (
+            type(into) is torch.Tensor
+            and into.device.type == "cpu"
+            and into.shape == obj.shape
+            and into.dtype == obj.dtype
+            and id(into) not in used  # shared in the old copy but not in this one
+        ):
+            out = into
+            used.add(id(into))
+        else:
+            out = torch.empty_like(obj, device="cpu")
+        dst.append(out)
+        src.append(obj.detach())
+        copies[key] = out
+        return out
+    if isinstance(obj, torch.Tensor):  # a subclass (DTensor, ...), sparse: as it comes
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
+        old = into if isinstance(into, dict) else {}
+        return {k: _copy_tree(v, old.get(k), copies, used, dst, src) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
+        if all(type(v) in _ATOMIC for v in obj):  # a monitor's window: nothing to walk
+            return obj if isinstance(obj, tuple) else kind(obj)
+        old = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else None
+        return kind(
+            _copy_tree(v, old[i] if old is not None else None, copies, used, dst, src)
+            for i, v in enumerate(obj)
+        )
     return copy.deepcopy(obj)
 
 
@@ -69,11 +122,34 @@ class Snapshot:
 
 
 class SnapshotRing:
+    """The newest ``keep`` snapshots. Their host buffers are recycled: the snapshot that
+    leaves the ring (the oldest, or those a rollback drops) lends its tensors to the next
+    one (``to_cpu(..., into=)``), so a run allocates snapshot memory ``keep`` (+1) times,
+    not every K steps. Each snapshot in the ring owns its own buffers."""
+
     def __init__(self, keep: int):
         self.ring: deque[Snapshot] = deque(maxlen=keep)
+        self.spare: list[dict[str, Any]] = []  # states of snapshots no longer in the ring
+
+    def recycle(self) -> dict[str, Any] | None:
+        """A state whose tensors the next snapshot may overwrite, or None (allocate).
+
+        When the ring is full its oldest snapshot leaves now, before the copy: a copy that
+        fails half-way then costs that snapshot, never corrupts one still in the ring."""
+        if self.spare:
+            return self.spare.pop()
+        if len(self.ring) == self.ring.maxlen:
+            return self.ring.popleft().state
+        return None
 
     def push(self, snap: Snapshot) -> None:
         self.ring.append(snap)
+
+    def drop_after(self, step: int) -> None:
+        """Forget the snapshots newer than ``step`` (a rollback to it); keep their buffers."""
+        keep = [s for s in self.ring if s.step <= step]
+        self.spare += [s.state for s in self.ring if s.step > step]
+        self.ring = deque(keep, maxlen=self.ring.maxlen)
 
     def newest_before(self, step: int) -> Snapshot | None:
         """The newest snapshot whose step is <= ``step``."""

@@ -338,7 +338,12 @@ def test_default_monitor_config_reaches_the_monitors(tmp_path):
     "override, message",
     [
         (["optim.accumulate_grad_batches=2"], "not allowed with rollback.enabled=true yet"),
-        (["fault=activation_drift", "monitor=off"], "steered by the |x| max"),
+        (
+            ["fault=activation_drift", "fault.layer=5"],
+            "fault.layer=5 is not allowed with model.n_layer=2",
+        ),
+        (["fault=activation_drift", "fault.cross_step=120"], "exactly one of them set"),
+        (["fault=activation_drift", "fault.target_step=50"], "must be > fault.step=100"),
     ],
 )
 def test_unsupported_combinations_are_refused(override, message, tmp_path):
@@ -397,3 +402,85 @@ def test_probe_block_and_norm_maxima_match_a_direct_measurement(placement):
     named = probe.unpack(maxima.tolist(), counts.tolist())["act_max"]
     for k, v in direct.items():
         assert named[k] == pytest.approx(v, rel=1e-6), k
+
+
+def test_snapshots_reuse_their_buffers_and_a_restore_never_aliases_one(tmp_path):
+    """The ring writes a new snapshot into the buffers of the one leaving it; a restore
+    must hand the optimizer copies (Optimizer.load_state_dict keeps a CPU snapshot's own
+    tensors), or training would rewrite the snapshot and a second rollback to it would
+    restore the live state."""
+    from types import SimpleNamespace
+
+    from stabilize.faults import FaultConfig
+    from stabilize.lit.stability import StabilityCallback
+    from stabilize.monitors import MonitorConfig
+    from stabilize.rollback import RollbackConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    trainer = SimpleNamespace(
+        optimizers=[opt],
+        lr_scheduler_configs=[SimpleNamespace(scheduler=sched)],
+        precision_plugin=SimpleNamespace(),
+        is_global_zero=True,
+    )
+    pl = SimpleNamespace(model=model, model_step=0, data_step=0)
+    cb = StabilityCallback(
+        MonitorConfig(), RollbackConfig(keep=2, durable_every=0), FaultConfig(), str(tmp_path)
+    )
+
+    def train(n):
+        for _ in range(n):
+            model(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            pl.model_step += 1
+
+    def frozen(state):  # an independent copy of a snapshot's tensors
+        return {
+            "model": {k: v.clone() for k, v in state["model"].items()},
+            "optimizer": {
+                i: {k: v.clone() for k, v in s.items()}
+                for i, s in state["optimizer"]["state"].items()
+            },
+        }
+
+    def assert_equal(state, ref):
+        for k, v in ref["model"].items():
+            assert torch.equal(state["model"][k], v), k
+        for i, s in ref["optimizer"].items():
+            for k, v in s.items():
+                assert torch.equal(state["optimizer"]["state"][i][k], v), (i, k)
+
+    snaps = []
+    for _ in range(3):
+        train(1)
+        cb._snapshot(trainer, pl)
+        snaps.append(cb.ring.ring[-1])
+    a, b, c = snaps
+    assert cb.ring.steps() == [2, 3]
+    # c was written into a's buffers (a left the ring), and holds the live state
+    assert c.state["model"]["0.weight"] is a.state["model"]["0.weight"]
+    assert (
+        c.state["optimizer"]["state"][0]["exp_avg"] is a.state["optimizer"]["state"][0]["exp_avg"]
+    )
+    assert torch.equal(c.state["model"]["0.weight"], model[0].weight)
+    assert torch.equal(
+        c.state["optimizer"]["state"][0]["exp_avg"], opt.state[model[0].weight]["exp_avg"]
+    )
+    ref = frozen(b.state)
+    for _ in range(2):  # two rollbacks to the same snapshot, training in between
+        cb.restore(trainer, pl, b.state)
+        assert torch.equal(opt.state[model[0].weight]["exp_avg"], ref["optimizer"][0]["exp_avg"])
+        assert torch.equal(model[0].weight, ref["model"]["0.weight"])
+        train(2)
+        assert_equal(b.state, ref)  # untouched by the training after the restore
+    # a rollback drops the newer snapshots; their buffers serve the next one
+    cb.ring.drop_after(b.step)
+    assert cb.ring.steps() == [2]
+    cb._snapshot(trainer, pl)
+    assert cb.ring.ring[-1].state["model"]["0.weight"] is c.state["model"]["0.weight"]
+    assert_equal(b.state, ref)

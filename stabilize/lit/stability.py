@@ -64,7 +64,9 @@ class StabilityCallback(L.Callback):
         self.last: StepStats | None = None
         self._pending: tuple | None = None
         self._batch = None
+        self._consts: tuple[torch.Tensor, torch.Tensor] | None = None  # NaN, -1 on device
         self.counts = {"warn": 0, "skip": 0, "rollback": 0}
+        self._localized = False
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage):
@@ -101,13 +103,15 @@ class StabilityCallback(L.Callback):
             return
         stats = self._gather(trainer, pl_module, optimizer)
         events = self.suite.update(stats)
-        if self.injector is not None:
-            self.injector.steer(stats.step + 1, stats.act_max.get(f"h.{self.fcfg.layer}"))
         self.last = stats
         bad = [e for e in events if e.kind == ROLLBACK]
+        nonfinite = next((e for e in bad if e.monitor == "nonfinite"), None)
+        # Where did it start? Every time when it is rolled back; without rollback, for the
+        # first one only (a run left to go on would replay every step after it).
+        if nonfinite is not None and (self.rollback_on or not self._localized):
+            nonfinite.extra["localization"] = self._localize(trainer, pl_module)
+            self._localized = True
         if bad and self.rollback_on:
-            if bad[0].monitor == "nonfinite":
-                bad[0].extra["localization"] = self._localize(trainer, pl_module)
             optimizer.zero_grad(set_to_none=True)  # nothing of this step is applied
             pl_module.skip_step = True
         self._pending = (stats, events, bad[0] if bad and self.rollback_on else None)
@@ -129,9 +133,11 @@ class StabilityCallback(L.Callback):
     def _gather(self, trainer, pl_module, optimizer) -> StepStats:
         """One vector, one collective, one host transfer."""
         dev = pl_module.device
-        # torch.full, not torch.tensor: no host-to-device copy (a stream sync on CUDA)
-        nan = torch.full((), float("nan"), device=dev)
-        minus1 = torch.full((), -1.0, device=dev)
+        if self._consts is None or self._consts[0].device != dev:
+            # made once (per device), never written: torch.full, not torch.tensor, so no
+            # host-to-device copy (a stream sync on CUDA)
+            self._consts = tuple(torch.full((), v, device=dev) for v in (float("nan"), -1.0))
+        nan, minus1 = self._consts
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         scale = getattr(scaler, "_scale", None) if scaler is not None else None
         found_inf = minus1
@@ -141,9 +147,11 @@ class StabilityCallback(L.Callback):
             if per_dev:
                 found_inf = sum(v.float().sum() for v in per_dev.values()).reshape(())
         loss = pl_module.step_loss
+        if loss is not None:
+            loss = loss.float() if self.accumulate == 1 else loss.float() / self.accumulate
         head = torch.stack(
             [
-                (loss.float() / self.accumulate) if loss is not None else nan,
+                loss if loss is not None else nan,
                 pl_module.grad_total_norm().float().reshape(()),
                 scale.float().reshape(()) if scale is not None else minus1,
                 found_inf,
@@ -272,9 +280,12 @@ class StabilityCallback(L.Callback):
 
     def _snapshot(self, trainer, pl_module) -> None:
         opt, sched, scaler = self._objects(trainer)
+        # the host buffers of the snapshot leaving the ring are written in place (copy_):
+        # no allocation once the ring is full (stabilize.rollback.SnapshotRing)
+        old = self.ring.recycle() or {}
         state = {
-            "model": to_cpu(pl_module.model.state_dict()),
-            "optimizer": to_cpu(opt.state_dict()),
+            "model": to_cpu(pl_module.model.state_dict(), old.get("model")),
+            "optimizer": to_cpu(opt.state_dict(), old.get("optimizer")),
             "scheduler": to_cpu(sched.state_dict()),
             "scaler": scaler.state_dict() if scaler is not None else None,
             "model_step": pl_module.model_step,
@@ -292,8 +303,16 @@ class StabilityCallback(L.Callback):
         """Load a snapshot's state into the live model, optimizer, scheduler, scaler and
         monitors (no remedy, no data seek: that is _rollback's business)."""
         opt, sched, scaler = self._objects(trainer)
-        pl_module.model.load_state_dict(st["model"])
+        pl_module.model.load_state_dict(st["model"])  # copies into the parameters
         opt.load_state_dict(st["optimizer"])
+        # Optimizer.load_state_dict keeps the snapshot's own tensors wherever no cast or
+        # move is needed (every ``step`` counter; on CPU the moments too): the optimizer
+        # would then update the snapshot in place, and a second rollback to it, or the
+        # next snapshot written into its recycled buffers, would see the live state.
+        for per_param in opt.state.values():
+            for k, v in per_param.items():
+                if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+                    per_param[k] = v.clone()
         sched.load_state_dict(st["scheduler"])
         if scaler is not None and st["scaler"] is not None:
             scaler.load_state_dict(st["scaler"])
@@ -318,9 +337,7 @@ class StabilityCallback(L.Callback):
         pl_module.remedies.append(remedy)
         pl_module.seek_data(pl_module.data_step)
         trainer.optimizers[0].zero_grad(set_to_none=True)
-        self.ring.ring = type(self.ring.ring)(
-            [s for s in self.ring.ring if s.step <= snap.step], maxlen=self.ring.ring.maxlen
-        )
+        self.ring.drop_after(snap.step)
         self._emit(
             trainer,
             Event(
