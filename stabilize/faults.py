@@ -5,12 +5,18 @@ reaches its step, so it recurs after a rollback rewinds the model (a determinist
 *transient* one fires once per run (a flipped bit, a bad host).
 
 Activation drift models a residual stream drifting towards ~1e4: from ``step`` on, block
-``layer``'s residual update (output - input) is multiplied by a factor f. The factor is
-steered so that the stream's |x| max after that block follows a geometric path from the
-value measured at ``step`` to ``target`` at ``target_step`` — the rate is derived from the
-target step, not hard-coded — then holds (or keeps growing at the same rate). Steering is
-closed-loop on the |x| max the monitors measure each step: the optimizer reacts to the
-drift, and an open-loop factor would miss the target step.
+``layer``'s residual update (output - input) is multiplied by a factor f, in every channel
+or only in the first ``channels`` (an outlier feature: a few channels carry the growth, as
+the massive activations of large LMs do; then one |x_i| passes 256 while the rest of the
+row stays small). The stream's |x| max after that block follows a geometric path from the
+value measured at ``step`` either to ``target`` at ``target_step``, or through ``cross``
+(default 256) between ``cross_step - 1`` and ``cross_step``; the rate is derived from that
+step, never hard-coded. Past the target it holds (or keeps growing at the same rate).
+
+The factor is solved inside each forward (in closed form, one reduction), so the |x| max
+is on its planned path (to ~1e-6) whatever the optimizer does in reaction: the step where a
+line is crossed is exact and deterministic, which tests and scenarios rely on. This costs
+two host reads per forward of the faulty block; only drift runs pay it.
 """
 
 from __future__ import annotations
@@ -36,18 +42,37 @@ class FaultConfig:
     param: str | None = None  # inf_grad: parameter name (default: the first one)
     layer: int = 0  # activation_drift: the block
     target: float = 1e4  # activation_drift: |x| max to reach ...
-    target_step: int = 150  # ... at this step
-    keep_growing: bool = False  # after target_step: hold (False) or keep the rate (True)
+    target_step: int | None = 150  # ... at this step, or (null) at the rate cross_step sets
+    cross_step: int | None = None  # |x| max first passes `cross` at this step
+    cross: float = 256.0  # the line cross_step refers to (256: the first fp16 square inf)
+    channels: int | None = None  # drift only the first k channels (null: all)
+    keep_growing: bool = False  # after the target: hold (False) or keep the rate (True)
 
     def __post_init__(self):
         check_choice("fault.kind", self.kind, FAULT_KINDS)
         check_positive("fault.step", self.step, integer=True)
         check_positive("fault.factor", self.factor)
         check_positive("fault.target", self.target)
-        if self.kind == "activation_drift" and self.target_step <= self.step:
+        check_positive("fault.cross", self.cross)
+        if self.channels is not None:
+            check_positive("fault.channels", self.channels, integer=True)
+        if self.kind != "activation_drift":
+            return
+        if (self.target_step is None) == (self.cross_step is None):
             raise ValueError(
-                f"fault.target_step={self.target_step} is not allowed; must be > "
-                f"fault.step={self.step}"
+                f"fault.target_step={self.target_step} with fault.cross_step={self.cross_step} "
+                f"is not allowed; allowed: exactly one of them set (the other null)"
+            )
+        for key in ("target_step", "cross_step"):
+            v = getattr(self, key)
+            if v is not None and v <= self.step:
+                raise ValueError(
+                    f"fault.{key}={v} is not allowed; must be > fault.step={self.step}"
+                )
+        if self.cross_step is not None and self.cross >= self.target:
+            raise ValueError(
+                f"fault.cross={self.cross} is not allowed with cross_step; must be < "
+                f"fault.target={self.target}"
             )
 
 
@@ -56,8 +81,9 @@ class FaultInjector:
         self.cfg = cfg
         self.rank = rank
         self.fired: set[int] = set()  # wall-clock firings (transient faults fire once)
-        self.drift_factor = 1.0
+        self.drift_factor = 1.0  # the last solved factor (the next solve's first guess)
         self.drift_start: float | None = None  # |x| max measured at the start step
+        self.step = 0  # the model step whose forward runs now (set by begin())
         self.disabled = False  # a transient fault that happened, then was rolled back
         self._armed: list = []  # gradient hooks of the step in flight
 
@@ -116,49 +142,72 @@ class FaultInjector:
         self._armed = []
 
     # ---- activation drift -----------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """The model step the next training forward belongs to (validation reuses it)."""
+        self.step = step
+
     def attach(self, model: nn.Module) -> None:
         if self.cfg.kind != "activation_drift":
             return
-        block = model.h[self.cfg.layer]
+        model.h[self.cfg.layer].register_forward_hook(self._drift_hook)
 
-        def hook(module, args, out):  # scale the residual update of this block
-            if self.drift_factor == 1.0 or self.disabled:
-                return out
-            x = args[0]
-            return x + (out - x) * self.drift_factor
+    def _drift_hook(self, module, args, out):
+        c = self.cfg
+        if self.disabled or not self._mine() or self.step < c.step:
+            return out
+        x = args[0]
+        k = c.channels or out.shape[-1]
+        with torch.no_grad():
+            u = (out - x)[..., :k].float()  # the residual update, drifting channels
+            x0 = x[..., :k].float()
+            if self.drift_start is None:  # the first drift step: the natural level
+                self.drift_start = float(out[..., :k].abs().max())
+            f = self._solve(x0, u, self.planned(self.step))
+        self.drift_factor = f
+        if k == out.shape[-1]:
+            return x + (out - x) * f
+        return torch.cat([x[..., :k] + (out[..., :k] - x[..., :k]) * f, out[..., k:]], dim=-1)
 
-        block.register_forward_hook(hook)
+    @staticmethod
+    def _solve(x: torch.Tensor, u: torch.Tensor, target: float) -> float:
+        """The f >= 0 with max|x + f u| = target, in closed form.
+
+        g(f) = max_k |x_k + f u_k| is convex with g(0) = max|x|; when that is below the
+        target, g first reaches it where the first element does: f = min over k of the
+        positive root of |x_k + f u_k| = target, (target - x_k sgn(u_k)) / |u_k|. When the
+        stream is already at or above the target without this block's update, it is left
+        as it is (f = 1).
+        """
+        x, u = x.double().reshape(-1), u.double().reshape(-1)
+        if float(x.abs().max()) >= target:
+            return 1.0
+        moving = u != 0
+        roots = (target - x[moving] * u[moving].sign()) / u[moving].abs()
+        return float(roots.min()) if roots.numel() else 1.0
+
+    def rate(self) -> float:
+        """log-|x|-max growth per step, derived from where the path must be when."""
+        c = self.cfg
+        if c.cross_step is not None:
+            # cross the line half-way between cross_step - 1 and cross_step (in log): the
+            # last step before is below it, cross_step is above, whatever the rounding
+            goal, span, key = c.cross, c.cross_step - 0.5 - c.step, "cross"
+        else:
+            goal, span, key = c.target, c.target_step - c.step, "target"
+        if self.drift_start >= goal:
+            raise ValueError(
+                f"fault.{key}={goal:g} is not allowed: block {c.layer}'s |x| max is already "
+                f"{self.drift_start:.4g} at fault.step={c.step}; allowed: above that level "
+                f"(or an earlier fault.step)"
+            )
+        return math.log(goal / self.drift_start) / span
 
     def planned(self, step: int) -> float:
-        """The |x| max the drift aims at for ``step`` (geometric from start to target)."""
+        """The |x| max the drift pins block ``layer``'s output to at ``step``."""
         c = self.cfg
-        span = c.target_step - c.step
-        rate = math.log(c.target / self.drift_start) / span
         k = step - c.step
-        if not c.keep_growing:
-            k = min(k, span)
-        return self.drift_start * math.exp(rate * k)
-
-    def steer(self, next_step: int, measured: float | None) -> None:
-        """Set the factor for ``next_step`` from the |x| max measured at the step before.
-
-        Closed loop: f <- f * planned / measured, each move clamped to [1/4, 4] so one noisy
-        reading cannot throw it. Only this rank's schedule changes; the measurement is the
-        all-rank maximum, so every rank steers identically.
-        """
-        c = self.cfg
-        if c.kind != "activation_drift" or self.disabled or not self._mine() or measured is None:
-            return
-        if next_step <= c.step:
-            return
-        if self.drift_start is None:
-            if not math.isfinite(measured) or measured <= 0:
-                return
-            self.drift_start = measured
-        if not math.isfinite(measured) or measured <= 0:
-            return
-        ratio = self.planned(next_step) / measured
-        self.drift_factor *= min(4.0, max(0.25, ratio))
+        value = self.drift_start * math.exp(self.rate() * k)
+        return value if c.keep_growing else min(value, max(c.target, self.drift_start))
 
     @property
     def happened(self) -> bool:

@@ -89,8 +89,13 @@ def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
             for lg in trainer.loggers:
                 lg.log_hyperparams(cfg.to_dict())
         trainer.fit(module, ckpt_path=ckpt)
+    except BaseException as e:  # the report tells a finished run from one that stopped
+        status = "aborted" if isinstance(e, StabilityAbort) else "failed"
+        _write_result(run_dir, status, module, trainer, error=f"{type(e).__name__}: {e}")
+        raise
     finally:
         _finish_wandb(trainer)
+    _write_result(run_dir, "done", module, trainer)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     return {
         "metrics": metrics,
@@ -99,6 +104,19 @@ def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "resumed_from": ckpt,
     }
+
+
+def _write_result(run_dir: Path, status: str, module, trainer, error: str | None = None) -> None:
+    """run_dir/result.json: how the run ended (done | aborted | failed), at which steps."""
+    if _rank() != 0:
+        return
+    result = {
+        "status": status,
+        "model_step": module.model_step,
+        "global_step": trainer.global_step,
+        "error": error,
+    }
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2))
 
 
 def _finish_wandb(trainer: L.Trainer) -> None:

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from stabilize.lit.audit import NormAudit
 from stabilize.lit.callbacks import PlainProgress, ReplicaCheck, StopAtModelStep, ThroughputLogger
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
 from stabilize.lit.config import LoggerConfig, PrecisionConfig, RunConfig, TrainerConfig
@@ -95,8 +96,15 @@ def build_loggers(cfg: LoggerConfig, run: RunConfig) -> list[Logger]:
                 entity=cfg.entity,
                 group=cfg.group or run.name,
                 job_type=cfg.job_type,
-                tags=list(cfg.tags),
-                name=cfg.name or f"{run.name}-{os.path.basename(os.path.normpath(run.run_dir))}",
+                tags=[*cfg.tags, *([f"arm:{run.arm}"] if run.arm else [])],
+                name=cfg.name
+                or "-".join(
+                    [
+                        run.name,
+                        *([run.arm] if run.arm else []),
+                        os.path.basename(os.path.normpath(run.run_dir)),
+                    ]
+                ),
                 mode=mode,
             )
         )
@@ -132,6 +140,7 @@ def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
         ThroughputLogger(COMPUTE_DTYPE[run.precision.name]),
         ReplicaCheck(run.run_dir),
         StabilityCallback(run.monitor, run.rollback, run.fault, run.run_dir, accum),
+        NormAudit(run.audit, run.run_dir),  # after the stability callback: sees its verdict
         StopAtModelStep(max_steps),
         *progress,
         *extra_callbacks,

@@ -120,8 +120,21 @@ class LoggerConfig:
 
 
 @dataclass
+class AuditConfig:
+    """Norm outputs against a float64 reference on held-out batches (lit/audit.py)."""
+
+    every: int = 0  # every N model steps; 0: only at the end of training
+    batches: int = 1  # validation batches per audit
+
+    def __post_init__(self) -> None:
+        check_range("audit.every", self.every, 0, float("inf"))
+        check_positive("audit.batches", self.batches, integer=True)
+
+
+@dataclass
 class RunConfig:
     name: str = "default"  # the experiment's name
+    arm: str | None = None  # a scenario's variant (configs/arm/), for reports and W&B
     run_dir: str = "runs/default"
     resume: str = "none"  # none | auto (the run dir's last.ckpt, if any) | a checkpoint path
     seed: int = 1234
@@ -134,6 +147,7 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
     def __post_init__(self) -> None:
         self.model = build_dataclass(GPTConfig, self.model, "model")
@@ -146,6 +160,7 @@ class RunConfig:
             ("monitor", MonitorConfig),
             ("rollback", RollbackConfig),
             ("fault", FaultConfig),
+            ("audit", AuditConfig),
         ):
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
 
@@ -155,10 +170,10 @@ class RunConfig:
                 f"allowed with rollback.enabled=true yet (a rollback mid-window would misalign "
                 f"the accumulation windows); allowed: 1, or rollback=off"
             )
-        if self.fault.kind == "activation_drift" and not self.monitor.enabled:
+        if self.fault.kind == "activation_drift" and not 0 <= self.fault.layer < self.model.n_layer:
             raise ValueError(
-                "fault.kind='activation_drift' is not allowed with monitor.enabled=false: the "
-                "drift is steered by the |x| max the monitors measure; allowed: monitor on"
+                f"fault.layer={self.fault.layer} is not allowed with model.n_layer="
+                f"{self.model.n_layer}; allowed: 0 .. {self.model.n_layer - 1}"
             )
         if self.trainer.compile and self.fault.kind == "activation_drift":
             raise ValueError(

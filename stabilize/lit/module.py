@@ -120,6 +120,17 @@ class GPTLitModule(L.LightningModule):
     def val_dataloader(self):
         return self._loaders()[1]
 
+    def held_out_batches(self, n: int) -> list:
+        """The first ``n`` validation batches, from the loaders the trainer already iterates
+        (never rebuilt here: a rebuild would leave the trainer's train iterator behind)."""
+        loaders = self._loader_cache[1] if self._loader_cache is not None else self._loaders()
+        out = []
+        for batch in loaders[1]:
+            if len(out) >= n:
+                break
+            out.append(batch)
+        return out
+
     # ---- steps ----------------------------------------------------------------------------
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -157,6 +168,8 @@ class GPTLitModule(L.LightningModule):
             # must join the gradient all-reduce): a zero loss is backpropagated instead, and
             # optimizer_step applies nothing.
             return self.loss(batch) * 0.0
+        if self.injector is not None:
+            self.injector.begin(self.model_step + 1)
         loss = self.loss(batch)
         if self.injector is not None:
             loss = self.injector.on_loss(self.model_step + 1, loss)

@@ -1,0 +1,130 @@
+"""``stabilize-report``: compare runs (a scenario's arms) in a table, plots and conclusions.
+
+    stabilize-report RUN_DIR [RUN_DIR ...] [--out DIR] [--title T]
+    stabilize-report --wandb ENTITY/PROJECT --group G [--out DIR]
+
+Writes DIR/report.md (default: the common parent of the run dirs) with one table row per
+run, the chain of events, the conclusions its numbers support, and PNG plots beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from stabilize.report.load import Run, load_run_dir, load_wandb
+from stabilize.report.plots import make_plots
+from stabilize.report.summary import conclusions, summarize, table
+
+__all__ = ["Run", "load_run_dir", "load_wandb", "summarize", "write_report", "main"]
+
+
+def _md_table(rows: list[list]) -> str:
+    cells = [[str(c).replace("|", "\\|") for c in r] for r in rows]
+    lines = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
+    lines += ["| " + " | ".join(r) + " |" for r in cells[1:]]
+    return "\n".join(lines)
+
+
+def _chain(run: Run, limit: int = 12) -> list[str]:
+    """The first occurrence of each kind of event, in order: the story as it happened."""
+    seen, out = set(), []
+    for e in run.events:
+        key = (e.get("monitor"), e.get("kind"))
+        if key in seen or e.get("kind") == "info":
+            continue
+        seen.add(key)
+        msg = e.get("message") or f"{e.get('monitor')} {e.get('layer') or ''}".strip()
+        out.append(f"step {e.get('step')}: **{e.get('kind')}** ({e.get('monitor')}) {msg}")
+        if len(out) >= limit:
+            break
+    return out
+
+
+def write_report(runs: list[Run], out: Path, title: str = "stabilize report") -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    arms = [summarize(r) for r in runs]
+    plots = make_plots(runs, out)
+    lines = [f"# {title}", ""]
+    lines += [
+        "Runs: " + ", ".join(f"`{r.arm}` ({r.source})" for r in runs),
+        "",
+        "## Per arm",
+        "",
+        _md_table(table(arms)),
+        "",
+        "Steps are the model's own steps (a rollback rewinds them). *first |x|>256*: the first "
+        "activation warning; *first overflow*: the first norm whose fp16 sum of squares "
+        "overflowed (its rows come out as zeros with a zero gradient: dead tokens); *256 "
+        "warning lead*: steps from that warning to the first non-finite value; *loss before*: "
+        "the last logged loss before the line was crossed; *norm rel. err*: median relative "
+        "error of every norm's output against float64 on held-out batches, on steps the fault "
+        "had not reached (the precision's own cost); *flattened rows*: share of norm rows more "
+        "than 5% off sqrt(D) with gamma at 1 (the cost of a large eps).",
+        "",
+    ]
+    if any(not a.exact for a in arms):
+        lines += ["`~`: rebuilt from logged metrics (W&B API): as fine as the log interval.", ""]
+    lines += ["## Conclusions", ""]
+    lines += [f"- {c}" for c in conclusions(arms)] or ["- (no run had anything to conclude from)"]
+    lines += ["", "## Plots", ""]
+    for name, p in plots.items():
+        lines += [f"![{name}]({p.name})", ""]
+    lines += ["## Chain of events per arm", ""]
+    for r in runs:
+        lines += [f"### {r.arm}", ""]
+        chain = _chain(r)
+        lines += [f"1. {c}" for c in chain] or ["No events: nothing was flagged."]
+        if r.diagnosis:
+            lines += ["", f"Diagnosis: {r.diagnosis.get('reason')}"]
+        lines += [""]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    (out / "summary.json").write_text(json.dumps([asdict(a) for a in arms], indent=2, default=str))
+    return report
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="stabilize-report",
+        description="Compare stabilize runs: a table per arm, conclusions and PNG plots.",
+    )
+    p.add_argument("runs", nargs="*", help="run directories (as stabilize-train writes them)")
+    p.add_argument("--out", help="where report.md and the plots go (default: the runs' parent)")
+    p.add_argument("--title", default="stabilize report")
+    p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read the runs from the W&B API")
+    p.add_argument("--group", help="with --wandb: the W&B group (a scenario's name)")
+    a = p.parse_args(argv)
+    if a.wandb and not a.group:
+        p.error("--wandb needs --group G (the group whose runs to compare)")
+    if not a.wandb and not a.runs:
+        p.error("give run directories, or --wandb ENTITY/PROJECT --group G")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
+    try:
+        runs = load_wandb(a.wandb, a.group) if a.wandb else [load_run_dir(d) for d in a.runs]
+    except (FileNotFoundError, ValueError) as e:
+        print(f"stabilize-report: {e}", file=sys.stderr)
+        return 2
+    if a.out:
+        out = Path(a.out)
+    elif a.runs:
+        out = Path(os.path.commonpath([str(Path(d).resolve()) for d in a.runs]))
+        if len(a.runs) == 1:
+            out = out / "report"
+    else:
+        out = Path("reports") / a.group
+    report = write_report(runs, out, a.title)
+    print(f"report: {report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from stabilize.report import main
+
+sys.exit(main())

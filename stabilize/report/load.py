@@ -1,0 +1,204 @@
+"""Runs as the report sees them, from any of three sources.
+
+- a local run dir (the richest): ``config.json``, ``csv/version_*/metrics.csv``,
+  ``events.jsonl`` (exact steps of every warning, overflow, skip and rollback),
+  ``audit.jsonl``, ``result.json`` / ``diagnosis.json``;
+- W&B offline files (``wandb/offline-run-*``) when a run dir has no CSV log;
+- the W&B API (``--wandb ENTITY/PROJECT --group G``): history and config; events are then
+  rebuilt from the logged metrics, so their steps are only as fine as the log interval
+  (``exact_events`` is False and the report marks those cells with ``~``).
+
+Every source yields the same ``Run``: x is the optimizer step taken (monotonic, counting
+rolled-back steps too), as W&B and the CSV log count it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stabilize.wandb_offline import find_offline_runs, read_offline_run
+
+
+@dataclass
+class Run:
+    name: str
+    arm: str
+    config: dict[str, Any]
+    rows: list[dict[str, float]]  # metric rows, each with "x": the optimizer step taken
+    events: list[dict[str, Any]] = field(default_factory=list)
+    audits: list[dict[str, Any]] = field(default_factory=list)
+    status: str = "unknown"  # done | aborted | failed | unknown (no result.json)
+    diagnosis: dict[str, Any] | None = None
+    exact_events: bool = True
+    source: str = ""
+
+    def series(self, key: str) -> list[tuple[float, float]]:
+        """[(x, value)] of one metric, in logging order."""
+        return [(r["x"], r[key]) for r in self.rows if key in r]
+
+    def keys(self, prefix: str) -> list[str]:
+        return sorted({k for r in self.rows for k in r if k.startswith(prefix)})
+
+
+def _num(v: Any) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash: the rest still counts
+                continue
+    return out
+
+
+def _csv_rows(run_dir: Path) -> list[dict[str, float]]:
+    versions = sorted((run_dir / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[-1]))
+    rows = []
+    for v in versions:
+        f = v / "metrics.csv"
+        if not f.exists():
+            continue
+        with open(f, newline="") as fh:
+            for row in csv.DictReader(fh):
+                r = {k: x for k, x in ((k, _num(x)) for k, x in row.items()) if x is not None}
+                if "step" in r:
+                    # Lightning logs at the step count before this step's increment
+                    r["x"] = r["step"] + 1
+                    rows.append(r)
+    return rows
+
+
+def _history_rows(history: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """W&B history rows (offline file or API) -> rows. Lightning's WandbLogger logs its step
+    as ``trainer/global_step``; W&B's own ``_step`` counts log calls."""
+    rows = []
+    for h in history:
+        step = _num(h.get("trainer/global_step", h.get("_step")))
+        if step is None:
+            continue
+        r = {k: v for k, v in ((k, _num(v)) for k, v in h.items()) if v is not None}
+        r["x"] = step + 1
+        rows.append(r)
+    return rows
+
+
+def _arm(config: dict[str, Any], fallback: str) -> str:
+    return str(config.get("arm") or fallback)
+
+
+def load_run_dir(path: str | Path) -> Run:
+    """One local run directory (as stabilize-train writes it)."""
+    d = Path(path)
+    if not d.is_dir():
+        raise FileNotFoundError(f"run dir {str(d)!r} does not exist")
+    cfg_file = d / "config.json"
+    config = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+    rows, source = _csv_rows(d), "csv"
+    if not rows:
+        offline = find_offline_runs(d / "wandb")
+        if offline:
+            w = read_offline_run(offline[-1])
+            rows, source = _history_rows(w.history), "wandb-offline"
+            config = config or w.config
+    if not rows and not config:
+        raise ValueError(
+            f"{str(d)!r} is not a stabilize run dir: no config.json, no csv/ log, no wandb/ "
+            f"offline run"
+        )
+    result = d / "result.json"
+    status = (
+        json.loads(result.read_text()).get("status", "unknown") if result.exists() else "unknown"
+    )
+    diag = d / "diagnosis.json"
+    return Run(
+        name=d.name,
+        arm=_arm(config, d.name),
+        config=config,
+        rows=rows,
+        events=_jsonl(d / "events.jsonl"),
+        audits=_jsonl(d / "audit.jsonl"),
+        status=status,
+        diagnosis=json.loads(diag.read_text()) if diag.exists() else None,
+        source=f"{source}: {d}",
+    )
+
+
+def events_from_rows(rows: list[dict[str, float]], threshold: float = 256.0) -> list[dict]:
+    """Rebuild the report's key events from logged metrics alone (a W&B API source): first
+    non-finite loss, first |x| max over the line, overflowed reductions, rollbacks."""
+    events: list[dict[str, Any]] = []
+    seen_rollbacks = 0.0
+    above: set[str] = set()
+    nonfinite = False
+    for r in rows:
+        model_step = int(r.get("train/step", r["x"]))
+        loss = r.get("train/loss")
+        if loss is not None and not math.isfinite(loss) and not nonfinite:
+            nonfinite = True
+            events.append({"kind": "rollback", "monitor": "nonfinite", "step": model_step})
+        for k, v in r.items():
+            if k.startswith("act/") and v > threshold and k not in above:
+                above.add(k)
+                events.append(
+                    {"kind": "warn", "monitor": "activation", "step": model_step, "layer": k[4:]}
+                )
+            if k.startswith("overflow/") and v > 0:
+                dead = r.get("dead/" + k[len("overflow/") :], 0.0)
+                events.append(
+                    {
+                        "kind": "warn",
+                        "monitor": "overflow",
+                        "step": model_step,
+                        "layer": k[len("overflow/") :],
+                        "value": v,
+                        "extra": {"collapsed": dead},
+                    }
+                )
+        n = r.get("stability/rollbacks")
+        if n is not None and n > seen_rollbacks:
+            for _ in range(int(n - seen_rollbacks)):
+                events.append({"kind": "rollback", "monitor": "rollback", "step": model_step})
+            seen_rollbacks = n
+    for e in events:
+        e.setdefault("global_step", None)
+    return events
+
+
+def load_wandb(path: str, group: str) -> list[Run]:
+    """Every run of a W&B group through the public API (needs network and a login)."""
+    import wandb
+
+    api = wandb.Api()
+    runs = []
+    for r in api.runs(path, filters={"group": group}):
+        config = {k: v for k, v in r.config.items() if not k.startswith("_")}
+        rows = _history_rows(list(r.scan_history()))
+        runs.append(
+            Run(
+                name=r.name,
+                arm=_arm(config, r.name),
+                config=config,
+                rows=rows,
+                events=events_from_rows(rows),
+                status={"finished": "done", "crashed": "failed"}.get(r.state, r.state),
+                exact_events=False,
+                source=f"wandb: {path}/{r.id}",
+            )
+        )
+    if not runs:
+        raise ValueError(f"no W&B runs in {path!r} with group {group!r}")
+    return runs

@@ -1,0 +1,290 @@
+"""Per-arm figures and the conclusions they support.
+
+Every figure is read from what the run recorded (events.jsonl first: exact steps; metric
+rows otherwise); nothing is assumed from the arm's name. Conclusions are rules over those
+figures, so a different outcome gives a different text.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from stabilize.report.load import Run
+
+LINE = 256.0  # |x| max where one fp16 square overflows (255.94^2 = 65504)
+
+
+@dataclass
+class ArmSummary:
+    arm: str
+    name: str
+    status: str
+    precision: str = "?"
+    reduction: str = "?"
+    eps: float | None = None
+    steps: int = 0  # the model's final step
+    steps_taken: int = 0  # optimizer steps taken, rolled-back ones included
+    first_nonfinite: int | None = None
+    nonfinite_where: str | None = None
+    first_over_line: int | None = None
+    first_forecast: int | None = None
+    first_overflow: int | None = None
+    overflow_rows: float = 0.0
+    dead_tokens: float = 0.0
+    scaler_skips: int = 0
+    skips_before_drift: float | None = None  # share of steps skipped before the drift starts
+    min_loss_scale: float | None = None
+    rollbacks: int = 0
+    remedies: list[str] = field(default_factory=list)
+    aborted: bool = False
+    loss_before: float | None = None  # the last logged loss before the line is crossed
+    final_loss: float | None = None
+    final_val_bpb: float | None = None
+    rel_err: float | None = None  # median relative error of norm outputs vs float64
+    flattened: float | None = None  # share of rows > 5% off sqrt(D) (eps's cost)
+    exact: bool = True
+
+    @property
+    def warning_lead(self) -> int | None:
+        """Steps between the first |x| > 256 warning and the first non-finite value."""
+        if self.first_over_line is None or self.first_nonfinite is None:
+            return None
+        return self.first_nonfinite - self.first_over_line
+
+
+def _first(events, monitor, kind=None) -> dict | None:
+    for e in events:
+        if e.get("monitor") == monitor and (kind is None or e.get("kind") == kind):
+            return e
+    return None
+
+
+def _healthy_audits(run: Run, before: int | None) -> list[dict]:
+    """Audits the fault had not reached yet: before the first overflow or non-finite step."""
+    out = []
+    for a in run.audits:
+        if before is not None and a["step"] >= before:
+            continue
+        if a.get("dead_share", 0) > 0 or a.get("nonfinite_share", 0) > 0:
+            continue
+        out.append(a)
+    return out
+
+
+def summarize(run: Run) -> ArmSummary:
+    cfg = run.config
+    norm = cfg.get("norm") or (cfg.get("model") or {}).get("norm") or {}
+    fault = cfg.get("fault") or {}
+    s = ArmSummary(
+        arm=run.arm,
+        name=run.name,
+        status=run.status,
+        precision=str((cfg.get("precision") or {}).get("name", "?")),
+        reduction=str(norm.get("reduction_dtype", "?")),
+        eps=norm.get("eps"),
+        exact=run.exact_events,
+    )
+    ev = run.events
+    if (e := _first(ev, "nonfinite")) is not None:
+        s.first_nonfinite = int(e["step"])
+        loc = (e.get("extra") or {}).get("localization") or []
+        if loc and loc[0].get("module"):
+            first = loc[0]
+            state = "finite" if first.get("input_finite") else "non-finite"
+            s.nonfinite_where = f"{first['module']} (input {state})"
+    if (e := _first(ev, "activation", "warn")) is not None:
+        s.first_over_line = int(e["step"])
+    if (e := _first(ev, "forecast")) is not None:
+        s.first_forecast = int(e["step"])
+    overflows = [e for e in ev if e.get("monitor") == "overflow"]
+    if overflows:
+        s.first_overflow = int(overflows[0]["step"])
+        s.overflow_rows = sum(float(e.get("value") or 0) for e in overflows)
+        s.dead_tokens = sum(float((e.get("extra") or {}).get("collapsed") or 0) for e in overflows)
+    skips = [e for e in ev if e.get("monitor") == "loss_scale" and e.get("kind") == "skip"]
+    s.scaler_skips = len(skips)
+    drift_start = fault.get("step") if fault.get("kind") == "activation_drift" else None
+    if drift_start:
+        early = {int(e["step"]) for e in skips if int(e["step"]) < drift_start}
+        s.skips_before_drift = len(early) / max(1, drift_start - 1)
+    rb = [e for e in ev if e.get("monitor") == "rollback" and e.get("kind") == "rollback"]
+    s.rollbacks = len(rb)
+    s.remedies = [str((e.get("extra") or {}).get("remedy")) for e in rb if e.get("extra")]
+    s.aborted = run.status == "aborted" or _first(ev, "rollback", "abort") is not None
+    scales = [v for _, v in run.series("train/loss_scale") if math.isfinite(v)]
+    s.min_loss_scale = min(scales) if scales else None
+    steps = [r["train/step"] for r in run.rows if "train/step" in r]
+    s.steps = int(steps[-1]) if steps else 0
+    s.steps_taken = int(max((r["x"] for r in run.rows), default=0))
+    losses = [(r.get("train/step", r["x"]), r["train/loss"]) for r in run.rows if "train/loss" in r]
+    if losses:
+        s.final_loss = losses[-1][1]
+        line_at = s.first_over_line or fault.get("cross_step")
+        if line_at:
+            before = [v for st, v in losses if st < line_at]
+            s.loss_before = before[-1] if before else None
+    bpb = [v for _, v in run.series("val/bpb")]
+    s.final_val_bpb = bpb[-1] if bpb else None
+    cut = min([x for x in (s.first_overflow, s.first_nonfinite) if x is not None], default=None)
+    healthy = _healthy_audits(run, cut)
+    if healthy:
+        s.rel_err = statistics.median(a["rel_err_median"] for a in healthy)
+        s.flattened = statistics.median(a["flattened_share"] for a in healthy)
+    return s
+
+
+# ---- conclusions ----------------------------------------------------------------------------
+def _fmt_step(v: int | None) -> str:
+    return "never" if v is None else str(v)
+
+
+def conclusions(arms: list[ArmSummary]) -> list[str]:
+    """Sentences the table's numbers support, one per finding."""
+    out: list[str] = []
+    by = {a.arm: a for a in arms}
+    base = by.get("baseline")
+    broken = [a for a in arms if a.first_overflow is not None or a.first_nonfinite is not None]
+    clean = [a for a in arms if a not in broken and a.rollbacks == 0]
+    if base is not None:
+        if base.first_overflow is not None:
+            chain = [
+                f"|x| max first passed {LINE:g} at step {_fmt_step(base.first_over_line)}",
+                f"the first fp16 reduction overflowed at step {base.first_overflow} "
+                f"({base.dead_tokens:g} token rows zeroed over all norms and steps)",
+            ]
+            if base.first_nonfinite is not None:
+                where = f" in {base.nonfinite_where}" if base.nonfinite_where else ""
+                chain.append(
+                    f"the first non-finite value came at step {base.first_nonfinite}{where}"
+                )
+            else:
+                chain.append("no non-finite value followed")
+            out.append("Baseline chain: " + "; ".join(chain) + ".")
+        if base.warning_lead is not None:
+            out.append(
+                f"The |x| > {LINE:g} warning preceded the first NaN by {base.warning_lead} steps "
+                f"in the baseline"
+                + (
+                    f"; the overflow forecast came {base.first_over_line - base.first_forecast} "
+                    f"steps earlier still."
+                    if base.first_forecast is not None and base.first_over_line is not None
+                    else "."
+                )
+            )
+        if base.skips_before_drift is not None and base.skips_before_drift > 0.5:
+            out.append(
+                f"The baseline never trained: the GradScaler skipped "
+                f"{100 * base.skips_before_drift:.0f}% of the steps before the drift started "
+                f"(minimum loss scale {base.min_loss_scale:.3g}). Its fp16 reduction overflows in "
+                f"the backward too, for tokens of small norm (the embeddings at init)."
+            )
+    for a in clean:
+        cost = f"median norm-output error {a.rel_err:.2g} vs float64" if a.rel_err else ""
+        out.append(
+            f"{a.arm} fixes it: no overflowed reduction, no dead token, no non-finite value "
+            f"under the same drift" + (f" ({cost})." if cost else ".")
+        )
+    for a in broken:
+        if a.arm == "baseline" or a.rollbacks:
+            continue
+        what = []
+        if a.first_overflow is not None:
+            what.append(f"overflowed at step {a.first_overflow} ({a.dead_tokens:g} dead rows)")
+        if a.first_nonfinite is not None:
+            what.append(f"went non-finite at step {a.first_nonfinite}")
+        hid = ""
+        base_skips = base.skips_before_drift if base is not None else None
+        if (
+            base_skips
+            and a.skips_before_drift is not None
+            and a.skips_before_drift < 0.5 <= base_skips
+        ):
+            hid = " It does let training start (the init-time backward overflow is gone)."
+        out.append(
+            f"{a.arm} does not fix it: it " + " and ".join(what) + " like the baseline." + hid
+        )
+    for a in arms:
+        if a.rollbacks:
+            ladder = " -> ".join(a.remedies) if a.remedies else "?"
+            if a.aborted:
+                out.append(f"{a.arm}: {a.rollbacks} rollbacks ({ladder}), then gave up (abort).")
+            else:
+                tail = "; no overflow after the last remedy" if _recovered(a) else ""
+                out.append(
+                    f"{a.arm} recovered through {a.rollbacks} rollback(s) ({ladder}) and reached "
+                    f"step {a.steps} with loss {a.final_loss:.3g}{tail}."
+                )
+    errs = {a.arm: a.rel_err for a in arms if a.rel_err}
+    if len(errs) > 1:
+        worst = max(errs, key=errs.get)
+        best = min(errs, key=errs.get)
+        out.append(
+            f"Precision cost on healthy steps: {worst}'s norm outputs are off by "
+            f"{errs[worst]:.2g} (median relative error vs float64), "
+            f"{errs[worst] / errs[best]:.0f}x {best}'s {errs[best]:.2g}."
+        )
+    flat = {a.arm: a.flattened for a in arms if a.flattened is not None}
+    if flat and max(flat.values()) > 0:
+        worst = max(flat, key=flat.get)
+        out.append(
+            f"Large-eps cost: {100 * flat[worst]:.2g}% of token rows in {worst} come out of the "
+            f"norm more than 5% off sqrt(D) (eps is not negligible against their mean square)."
+        )
+    return out
+
+
+def _recovered(a: ArmSummary) -> bool:
+    return a.status == "done" and a.first_nonfinite is None
+
+
+def table(arms: list[ArmSummary]) -> list[list[Any]]:
+    header = [
+        "arm",
+        "precision / reduction / eps",
+        "status",
+        "first |x|>256",
+        "first overflow",
+        "dead rows (sum)",
+        "first non-finite",
+        "256 warning lead",
+        "scaler skips",
+        "rollbacks (remedies)",
+        "loss before",
+        "final loss",
+        "norm rel. err",
+        "flattened rows",
+    ]
+
+    def f(v, fmt="{:.3g}"):
+        if v is None:
+            return "-"
+        return fmt.format(v) if isinstance(v, float) else str(v)
+
+    rows = [header]
+    for a in arms:
+        mark = "" if a.exact else "~"
+        rows.append(
+            [
+                a.arm,
+                f"{a.precision} / {a.reduction} / {f(a.eps, '{:g}')}",
+                a.status + (" (abort)" if a.aborted and a.status != "aborted" else ""),
+                mark + _fmt_step(a.first_over_line),
+                mark + _fmt_step(a.first_overflow),
+                f(a.dead_tokens, "{:g}"),
+                mark
+                + _fmt_step(a.first_nonfinite)
+                + (f" ({a.nonfinite_where})" if a.nonfinite_where else ""),
+                f(a.warning_lead),
+                f"{a.scaler_skips}"
+                + (f" (min scale {a.min_loss_scale:.2g})" if a.min_loss_scale else ""),
+                f"{a.rollbacks}" + (f" ({', '.join(a.remedies)})" if a.remedies else ""),
+                f(a.loss_before),
+                f(a.final_loss),
+                f(a.rel_err, "{:.2e}"),
+                f(None if a.flattened is None else 100 * a.flattened, "{:.2g}%"),
+            ]
+        )
+    return rows
