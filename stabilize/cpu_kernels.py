@@ -139,6 +139,54 @@ __attribute__((target("avx2,f16c"))) static void f2h_f16c(const float* s, u16* d
                      _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
   for (; i < n; ++i) d[i] = _cvtss_sh(s[i], _MM_FROUND_TO_NEAREST_INT);
 }
+// fp16 activations in one pass: round x * r to fp16 and back in registers (what .to(fp16)
+// does), times gamma, rounded again on the store; the portable path needs four passes.
+__attribute__((target("avx2,f16c"))) static void fwd_f16_f16c(const float* x, float r,
+                                                             const float* w, u16* o,
+                                                             int64_t n) {
+  const __m256 vr = _mm256_set1_ps(r);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), vr);
+    v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    v = _mm256_mul_ps(v, _mm256_loadu_ps(w + i));
+    _mm_storeu_si128((__m128i*)(o + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) {
+    const float t = _cvtsh_ss(_cvtss_sh(x[i] * r, _MM_FROUND_TO_NEAREST_INT));
+    o[i] = _cvtss_sh(t * w[i], _MM_FROUND_TO_NEAREST_INT);
+  }
+}
+// The backward's first pass for fp16 activations, y_hat rounded in registers (as pass1_*).
+__attribute__((target("avx2,f16c"))) static float pass1_f16_f16c(const float* x,
+                                                                const float* gy,
+                                                                const float* w, float r,
+                                                                float* acc, float* g,
+                                                                int64_t n) {
+  const __m256 vr = _mm256_set1_ps(r);
+  __m256 vs = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i), gv = _mm256_loadu_ps(gy + i);
+    __m256 t = _mm256_mul_ps(xv, vr);
+    t = _mm256_cvtph_ps(_mm256_cvtps_ph(t, _MM_FROUND_TO_NEAREST_INT));
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(gv, t)));
+    const __m256 gw = _mm256_mul_ps(gv, _mm256_loadu_ps(w + i));
+    _mm256_storeu_ps(g + i, gw);
+    vs = _mm256_add_ps(vs, _mm256_mul_ps(gw, xv));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vs);
+  float s = 0.f;
+  for (int k = 0; k < 8; ++k) s += lanes[k];
+  for (; i < n; ++i) {
+    const float t = _cvtsh_ss(_cvtss_sh(x[i] * r, _MM_FROUND_TO_NEAREST_INT));
+    acc[i] += gy[i] * t;
+    g[i] = gy[i] * w[i];
+    s += g[i] * x[i];
+  }
+  return s;
+}
 static bool has_f16c() {
   static const bool v = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") &&
                                                    __builtin_cpu_supports("f16c"));
@@ -207,6 +255,12 @@ std::vector<at::Tensor> rms_forward(const at::Tensor& x, const at::Tensor& w, do
       rp[i] = r;
       // explicit: (x * r).to(act) * gamma.to(act), rounded again by the store
       float* o = act == at::kFloat ? y.data_ptr<float>() + i * D : t.data();
+#ifdef SN_X86
+      if (act == at::kHalf && has_f16c()) {
+        fwd_f16_f16c(xf, r, wp, reinterpret_cast<u16*>(y.data_ptr()) + i * D, D);
+        continue;
+      }
+#endif
       if (act == at::kHalf) {
         scale(xf, r, o, D);
         round_to(act, o, tmp.data(), D);
@@ -244,6 +298,16 @@ std::vector<at::Tensor> rms_backward(const at::Tensor& gy, const at::Tensor& x,
         float gdotx;
         if (wp) {
           auto pass1 = act == at::kFloat ? pass1_f32 : pass1_bf16;
+#ifdef SN_X86
+          if (act == at::kHalf && has_f16c()) {
+            gdotx = pass1_f16_f16c(xf, gf, wp, r, pb, g.data(), D);
+            gx = g.data();
+            float* o = x.scalar_type() == at::kFloat ? dx.data_ptr<float>() + i * D : t.data();
+            dx_row(gx, xf, r, r * r * r * gdotx * inv, o, D);
+            if (x.scalar_type() != at::kFloat) store(o, dx, i);
+            continue;
+          }
+#endif
           if (act == at::kHalf) {  // no inline fp16 rounding in portable code: a pass more
             scale(xf, r, t.data(), D);
             round_to(act, t.data(), tmp.data(), D);

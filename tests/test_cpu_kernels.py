@@ -246,3 +246,31 @@ def test_fused_refuses_what_it_cannot_honour():
         norm.resolve_backend(torch.empty(2, 8, device="meta"))
     with pytest.raises(ValueError, match=r"'fused'\]"):  # the allowed list names it
         NormConfig(backend="triton")
+
+
+@pytest.mark.parametrize("dim", [100, 2048])  # 100: the vector loop's tail too
+def test_fp16_activations_match_explicit_forward_and_backward_with_gamma(kernel, dim):
+    """fp32 input under fp16 autocast (the residual stream entering a norm): the fp16 rounding
+    the fused loops do in registers must give what explicit's .to(fp16) steps give."""
+    torch.manual_seed(4)
+    f = fused("rmsnorm", dim)
+    e = build_norm(dim, NormConfig(type="rmsnorm", backend="explicit"))
+    with torch.no_grad():
+        f.weight.copy_(1 + 0.3 * torch.randn(dim))
+    e.load_state_dict(f.state_dict())
+    x = (3 * torch.randn(37, dim)).requires_grad_()
+    gy = torch.randn(37, dim).half()
+    out = []
+    for norm in (f, e):
+        x.grad = None
+        norm.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = norm(x)
+        y.backward(gy)
+        out.append((y.detach(), x.grad.clone(), norm.weight.grad.clone()))
+    (yf, gxf, dwf), (ye, gxe, dwe) = out
+    assert yf.dtype == ye.dtype == torch.float16
+    torch.testing.assert_close(yf, ye, rtol=1e-3, atol=1e-3)
+    # explicit's backward runs in fp16 autograd steps, fused in fp32: agree to fp16 precision
+    torch.testing.assert_close(gxf, gxe, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(dwf, dwe, rtol=2e-2, atol=2e-2)
