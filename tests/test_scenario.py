@@ -115,7 +115,8 @@ def test_large_eps_lets_training_start_but_does_not_rescue_the_overflowed_sum(ar
         summarize(load_run_dir(arms["baseline"])),
     )
     assert eps.eps == 1e-3 and base.eps == 1e-5
-    assert base.skips_before_drift == 1.0 and eps.skips_before_drift < 0.5
+    assert base.early_skip_share == 1.0 and base.never_trained
+    assert eps.early_skip_share < 0.5 and not eps.never_trained
     assert eps.first_overflow == CROSS and eps.dead_tokens > 0  # inf + eps is still inf
     assert eps.first_nonfinite is not None
 
@@ -235,3 +236,22 @@ def test_scenario_script_refuses_unknown_arms_and_used_dirs(tmp_path):
     (tmp_path / "remedy" / "events.jsonl").write_text("")
     r = run_cli(["bash", script, "--arms", "remedy", "--out", str(tmp_path)], cwd=tmp_path)
     assert r.returncode == 2 and "already holds a run" in r.stderr
+
+
+def test_conclusions_follow_the_numbers_when_the_baseline_never_trains():
+    """The natural scenario's outcome (measured with scripts/repro_nan.sh --experiment
+    nan_repro_natural): the baseline skipped every step, large eps overflowed with no NaN."""
+    from stabilize.report.summary import ArmSummary, conclusions
+
+    base = ArmSummary("baseline", "b", "done", precision="fp16-mixed", early_skip_share=1.0)
+    base.min_loss_scale, base.steps = 0.0, 400
+    eps = ArmSummary("large_eps", "e", "done", precision="fp16-mixed", early_skip_share=0.0)
+    eps.first_overflow, eps.dead_tokens, eps.final_loss = 8, 10.0, 5.55
+    fp32 = ArmSummary("fp32_reduction", "f", "done", precision="fp16-mixed", rel_err=3.5e-4)
+    text = "\n".join(conclusions([base, eps, fp32]))
+    assert "baseline never trained: the GradScaler skipped 100%" in text
+    assert "baseline fixes it" not in text and "fp32_reduction fixes it" in text
+    assert "large_eps does not fix it: it overflowed at step 8" in text
+    assert "never went non-finite (final loss 5.55)" in text
+    assert "like the baseline" not in text  # the baseline did not overflow
+    assert "It does let training start" in text

@@ -35,10 +35,13 @@ class ArmSummary:
     overflow_rows: float = 0.0
     dead_tokens: float = 0.0
     scaler_skips: int = 0
-    skips_before_drift: float | None = None  # share of steps skipped before the drift starts
+    # share of steps the GradScaler skipped before the trouble: before the drift starts, or
+    # before the first overflow / 256 crossing / the end when nothing is injected
+    early_skip_share: float | None = None
     min_loss_scale: float | None = None
     rollbacks: int = 0
     remedies: list[str] = field(default_factory=list)
+    triggers: list[str] = field(default_factory=list)  # "monitor@step" that rolled back
     aborted: bool = False
     loss_before: float | None = None  # the last logged loss before the line is crossed
     final_loss: float | None = None
@@ -46,6 +49,12 @@ class ArmSummary:
     rel_err: float | None = None  # median relative error of norm outputs vs float64
     flattened: float | None = None  # share of rows > 5% off sqrt(D) (eps's cost)
     exact: bool = True
+
+    @property
+    def never_trained(self) -> bool:
+        """The GradScaler skipped most steps before any trouble: nothing was learned."""
+        skipped = self.early_skip_share is not None and self.early_skip_share > 0.5
+        return skipped and not self.rollbacks  # a remedy may have ended it
 
     @property
     def warning_lead(self) -> int | None:
@@ -106,13 +115,12 @@ def summarize(run: Run) -> ArmSummary:
         s.dead_tokens = sum(float((e.get("extra") or {}).get("collapsed") or 0) for e in overflows)
     skips = [e for e in ev if e.get("monitor") == "loss_scale" and e.get("kind") == "skip"]
     s.scaler_skips = len(skips)
-    drift_start = fault.get("step") if fault.get("kind") == "activation_drift" else None
-    if drift_start:
-        early = {int(e["step"]) for e in skips if int(e["step"]) < drift_start}
-        s.skips_before_drift = len(early) / max(1, drift_start - 1)
     rb = [e for e in ev if e.get("monitor") == "rollback" and e.get("kind") == "rollback"]
     s.rollbacks = len(rb)
     s.remedies = [str((e.get("extra") or {}).get("remedy")) for e in rb if e.get("extra")]
+    if rb:  # the verdicts that called for them (without rollback they are verdicts only)
+        verdicts = [e for e in ev if e.get("kind") == "rollback" and e.get("monitor") != "rollback"]
+        s.triggers = sorted({f"{e['monitor']}@{e['step']}" for e in verdicts})
     s.aborted = run.status == "aborted" or _first(ev, "rollback", "abort") is not None
     scales = [v for _, v in run.series("train/loss_scale") if math.isfinite(v)]
     s.min_loss_scale = min(scales) if scales else None
@@ -126,6 +134,13 @@ def summarize(run: Run) -> ArmSummary:
         if line_at:
             before = [v for st, v in losses if st < line_at]
             s.loss_before = before[-1] if before else None
+    drift_start = fault.get("step") if fault.get("kind") == "activation_drift" else None
+    trouble = drift_start or min(
+        [x for x in (s.first_overflow, s.first_over_line) if x is not None], default=s.steps + 1
+    )
+    if s.precision == "fp16-mixed" and trouble > 1:
+        early = {int(e["step"]) for e in skips if int(e["step"]) < trouble}
+        s.early_skip_share = len(early) / (trouble - 1)
     bpb = [v for _, v in run.series("val/bpb")]
     s.final_val_bpb = bpb[-1] if bpb else None
     cut = min([x for x in (s.first_overflow, s.first_nonfinite) if x is not None], default=None)
@@ -147,45 +162,44 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
     by = {a.arm: a for a in arms}
     base = by.get("baseline")
     broken = [a for a in arms if a.first_overflow is not None or a.first_nonfinite is not None]
-    clean = [a for a in arms if a not in broken and a.rollbacks == 0]
-    if base is not None:
-        if base.first_overflow is not None:
-            chain = [
-                f"|x| max first passed {LINE:g} at step {_fmt_step(base.first_over_line)}",
-                f"the first fp16 reduction overflowed at step {base.first_overflow} "
-                f"({base.dead_tokens:g} token rows zeroed over all norms and steps)",
-            ]
-            if base.first_nonfinite is not None:
-                where = f" in {base.nonfinite_where}" if base.nonfinite_where else ""
-                chain.append(
-                    f"the first non-finite value came at step {base.first_nonfinite}{where}"
-                )
-            else:
-                chain.append("no non-finite value followed")
-            out.append("Baseline chain: " + "; ".join(chain) + ".")
-        if base.warning_lead is not None:
-            out.append(
-                f"The |x| > {LINE:g} warning preceded the first NaN by {base.warning_lead} steps "
-                f"in the baseline"
-                + (
-                    f"; the overflow forecast came {base.first_over_line - base.first_forecast} "
-                    f"steps earlier still."
-                    if base.first_forecast is not None and base.first_over_line is not None
-                    else "."
-                )
+    clean = [a for a in arms if a not in broken and not a.rollbacks and not a.never_trained]
+    base_broke = base is not None and base in broken
+    if base is not None and base.first_overflow is not None:
+        chain = [
+            f"|x| max first passed {LINE:g} at step {_fmt_step(base.first_over_line)}",
+            f"the first fp16 reduction overflowed at step {base.first_overflow} "
+            f"({base.dead_tokens:g} token rows zeroed over all norms and steps)",
+        ]
+        if base.first_nonfinite is not None:
+            where = f" in {base.nonfinite_where}" if base.nonfinite_where else ""
+            chain.append(f"the first non-finite value came at step {base.first_nonfinite}{where}")
+        else:
+            chain.append("no non-finite value followed")
+        out.append("Baseline chain: " + "; ".join(chain) + ".")
+    if base is not None and base.warning_lead is not None:
+        forecast = ""
+        if base.first_forecast is not None and base.first_over_line is not None:
+            forecast = (
+                f"; the overflow forecast came {base.first_over_line - base.first_forecast} "
+                f"steps earlier still"
             )
-        if base.skips_before_drift is not None and base.skips_before_drift > 0.5:
+        out.append(
+            f"The |x| > {LINE:g} warning preceded the first NaN by {base.warning_lead} steps in "
+            f"the baseline{forecast}."
+        )
+    for a in arms:
+        if a.never_trained:
             out.append(
-                f"The baseline never trained: the GradScaler skipped "
-                f"{100 * base.skips_before_drift:.0f}% of the steps before the drift started "
-                f"(minimum loss scale {base.min_loss_scale:.3g}). Its fp16 reduction overflows in "
-                f"the backward too, for tokens of small norm (the embeddings at init)."
+                f"{a.arm} never trained: the GradScaler skipped "
+                f"{100 * a.early_skip_share:.0f}% of its steps before any overflow or drift "
+                f"(lowest loss scale {a.min_loss_scale:.3g}): its fp16 reduction overflows in "
+                f"the backward, for tokens of small norm (the embeddings at init)."
             )
     for a in clean:
         cost = f"median norm-output error {a.rel_err:.2g} vs float64" if a.rel_err else ""
         out.append(
             f"{a.arm} fixes it: no overflowed reduction, no dead token, no non-finite value "
-            f"under the same drift" + (f" ({cost})." if cost else ".")
+            f"under the same conditions" + (f" ({cost})." if cost else ".")
         )
     for a in broken:
         if a.arm == "baseline" or a.rollbacks:
@@ -195,17 +209,13 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
             what.append(f"overflowed at step {a.first_overflow} ({a.dead_tokens:g} dead rows)")
         if a.first_nonfinite is not None:
             what.append(f"went non-finite at step {a.first_nonfinite}")
+        else:
+            what.append(f"never went non-finite (final loss {a.final_loss:.3g})")
+        like = " like the baseline" if base_broke else ""
         hid = ""
-        base_skips = base.skips_before_drift if base is not None else None
-        if (
-            base_skips
-            and a.skips_before_drift is not None
-            and a.skips_before_drift < 0.5 <= base_skips
-        ):
+        if base is not None and base.never_trained and not a.never_trained:
             hid = " It does let training start (the init-time backward overflow is gone)."
-        out.append(
-            f"{a.arm} does not fix it: it " + " and ".join(what) + " like the baseline." + hid
-        )
+        out.append(f"{a.arm} does not fix it: it " + " and ".join(what) + like + "." + hid)
     for a in arms:
         if a.rollbacks:
             ladder = " -> ".join(a.remedies) if a.remedies else "?"
@@ -213,9 +223,10 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
                 out.append(f"{a.arm}: {a.rollbacks} rollbacks ({ladder}), then gave up (abort).")
             else:
                 tail = "; no overflow after the last remedy" if _recovered(a) else ""
+                why = f", called by {', '.join(a.triggers)}," if a.triggers else ""
                 out.append(
-                    f"{a.arm} recovered through {a.rollbacks} rollback(s) ({ladder}) and reached "
-                    f"step {a.steps} with loss {a.final_loss:.3g}{tail}."
+                    f"{a.arm} recovered through {a.rollbacks} rollback(s){why} ({ladder}) and "
+                    f"reached step {a.steps} with loss {a.final_loss:.3g}{tail}."
                 )
     errs = {a.arm: a.rel_err for a in arms if a.rel_err}
     if len(errs) > 1:
