@@ -85,8 +85,12 @@ def test_bench_monitors_smoke(tmp_path):
             "1",
             "--logger",
             "none",
+            "--toggle-steps",
+            "40",
         ],
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| tiny |" in r.stdout and "restore from memory" in r.stdout
+    assert "| tiny | 1 |" in r.stdout  # the in-run toggle table: one ABBA quad
+    assert "(in-run ABBA toggle)" in r.stdout
