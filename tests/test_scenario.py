@@ -199,6 +199,25 @@ def test_report_cli(arms, tmp_path, capsys):
     assert r.returncode == 2 and "--group" in r.stderr
 
 
+def test_repro_nan_script_with_two_torchrun_ranks(tmp_path):
+    """The scenario script end to end, shortened, each arm a 2-rank torchrun (gloo)."""
+    out = tmp_path / "ddp"
+    script = str(ROOT / "scripts" / "repro_nan.sh")
+    short = ["trainer.max_steps=40", f"fault.step={START}", f"fault.cross_step={CROSS}"]
+    args = ["bash", script, "--arms", "baseline,remedy", "--nproc-per-node", "2", "--out"]
+    r = run_cli([*args, str(out), "--", *short, "data.batch_size=4"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"report: {out}/report.md" in r.stderr
+    base, remedy = (summarize(load_run_dir(out / a)) for a in ("baseline", "remedy"))
+    assert base.first_overflow == CROSS and base.first_nonfinite is not None
+    assert base.nonfinite_where.startswith("h.1.ln_1")  # localized on every rank, agreed
+    assert remedy.rollbacks >= 1 and remedy.remedies[-1] == "fp32_reduction"
+    assert remedy.status == "done" and remedy.first_overflow is None
+    for arm in ("baseline", "remedy"):
+        replicas = json.loads((out / arm / "replicas.json").read_text())
+        assert replicas["world_size"] == 2 and replicas["identical"]
+
+
 @pytest.mark.slow
 def test_repro_nan_script_runs_every_arm_and_writes_the_report(tmp_path):
     out = tmp_path / "nan_repro"
