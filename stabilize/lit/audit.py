@@ -97,6 +97,7 @@ class NormAudit(L.Callback):
         finally:
             for h in handles:
                 h.remove()
+            model.train(was_training)
         out: dict[str, dict[str, float]] = {}
         for name, pairs in seen.items():
             norm = norms[name]
@@ -131,8 +132,6 @@ class NormAudit(L.Callback):
                 "nonfinite": float((~torch.isfinite(y).all(-1)).sum()),
                 "rms_min": float(rms[torch.isfinite(rms)].min()) if finite_in.any() else 0.0,
             }
-        if was_training:
-            model.train()
         return out
 
     def audit(self, trainer, pl_module) -> dict | None:
@@ -140,7 +139,9 @@ class NormAudit(L.Callback):
         if not trainer.is_global_zero:
             return None
         per_norm = self.measure(trainer, pl_module)
-        rows = sum(v["rows"] for v in per_norm.values()) or 1.0
+        if not per_norm:  # no held-out batch (trainer.limit_val_batches=0): nothing measured
+            return None
+        rows = sum(v["rows"] for v in per_norm.values())
         medians = [
             v["rel_err_median"] for v in per_norm.values() if math.isfinite(v["rel_err_median"])
         ]
