@@ -73,7 +73,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import wandb  # noqa: E402
 from benchlib import CONFIGS as BASE_CONFIGS  # noqa: E402  (sets the offline environment)
-from benchlib import compose_cfg, mute_progress, prepare  # noqa: E402
+from benchlib import compose_cfg, mute_progress, prepare, run_overrides  # noqa: E402
 from monitor_toggle import toggle_bench  # noqa: E402
 
 import stabilize.train  # noqa: E402
@@ -232,14 +232,7 @@ def _block_overhead(on: list[float], off: list[float]) -> float:
 
 def bench(name: str, args, tmp: Path) -> dict:
     warm, total = args.warmup, args.warmup + args.steps
-    common = [
-        *CONFIGS[name],
-        f"precision={args.precision}",
-        f"trainer.max_steps={total}",
-        "trainer.limit_val_batches=0",
-        "trainer.progress=plain",
-        f"logger={args.logger}",
-    ]
+    common = run_overrides(CONFIGS[name], args.precision, total, args.logger)
     ms: dict[str, list[float]] = {"off": [], "on": []}
     cpu: dict[str, list[float]] = {"off": [], "on": []}
     ratios: list[float] = []

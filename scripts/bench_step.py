@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import wandb  # noqa: E402
 from benchlib import CONFIGS as BASE_CONFIGS  # noqa: E402  (sets the offline environment)
-from benchlib import compose_cfg, mute_progress, prepare  # noqa: E402
+from benchlib import compose_cfg, mute_progress, prepare, run_overrides  # noqa: E402
 
 import stabilize.train  # noqa: E402
 from stabilize.data import build_dataloaders  # noqa: E402
@@ -147,12 +147,7 @@ def bare_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float]:
 def bench(name: str, args, tmp: Path) -> dict:
     warm, total = args.warmup, args.warmup + args.steps
     overrides = [
-        *CONFIGS[name],
-        f"precision={args.precision}",
-        f"trainer.max_steps={total}",
-        "trainer.limit_val_batches=0",
-        "trainer.progress=plain",
-        "logger=wandb",
+        *run_overrides(CONFIGS[name], args.precision, total, "wandb"),
         *args.set,
     ]
     rates: dict[str, list[float]] = {"bare": [], "lightning": []}

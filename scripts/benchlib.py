@@ -66,3 +66,16 @@ def prepare(ap, args, configs: dict) -> list[str]:
     warnings.filterwarnings("ignore", module=r"lightning\..*")
     args.load = os.getloadavg()[0]
     return names
+
+
+def run_overrides(config: list[str], precision: str, total: int, logger: str) -> list[str]:
+    """The benchmarks' common run: a config, a precision, ``total`` steps, no validation, plain
+    progress (muted by the benchmarks' callbacks), the given logger."""
+    return [
+        *config,
+        f"precision={precision}",
+        f"trainer.max_steps={total}",
+        "trainer.limit_val_batches=0",
+        "trainer.progress=plain",
+        f"logger={logger}",
+    ]

@@ -39,7 +39,6 @@ def reference64(norm: Norm, x: torch.Tensor) -> torch.Tensor:
     """The norm in float64, from its definition (Ba et al. 2016; Zhang & Sennrich 2019;
     Nguyen & Salazar 2019), eps inside the square root as every implementation here does."""
     x = x.double()
-    d = x.shape[-1]
     if norm.kind == "layernorm":
         xc = x - x.mean(-1, keepdim=True)
         y = xc / torch.sqrt((xc * xc).mean(-1, keepdim=True) + norm.eps)
@@ -51,7 +50,6 @@ def reference64(norm: Norm, x: torch.Tensor) -> torch.Tensor:
         y = y * norm.weight.double()
     if norm.bias is not None:
         y = y + norm.bias.double()
-    assert y.shape[-1] == d
     return y
 
 
