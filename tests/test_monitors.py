@@ -54,6 +54,39 @@ def test_spike_detector_warmup_nonfinite_and_state():
     assert [e.kind for e in d3.update(12, 50.0)] == [e.kind for e in d2.update(12, 50.0)]
 
 
+def test_spike_detector_matches_a_direct_median_mad_rule_on_a_heavy_tailed_series():
+    """The sorted window and the ratio-first short cut change the cost, not the verdicts:
+    every step is checked against the rule written out with statistics.median over the
+    window as it stands (duplicates, evictions, spikes kept out, a state round trip)."""
+    import statistics
+    from collections import deque
+
+    rng = np.random.default_rng(3)
+    base = np.round(2.0 + 0.3 * rng.standard_t(2, 3000), 2)  # rounded: many ties
+    base[rng.choice(3000, 60, replace=False)] *= rng.uniform(3, 30, 60)
+    d = SpikeDetector("loss_spike", window=40, warmup=15, threshold=5.0, min_ratio=1.5)
+    window: deque[float] = deque(maxlen=40)
+    fired = 0
+    for step, v in enumerate(base.tolist()):
+        if step == 1500:  # a resumed run: the window comes back from the state dict
+            d2 = SpikeDetector("loss_spike", window=40, warmup=15, threshold=5.0, min_ratio=1.5)
+            d2.load_state_dict(d.state_dict())
+            d = d2
+        expect = False
+        if len(window) >= 15:
+            med = statistics.median(window)
+            mad = statistics.median(abs(w - med) for w in window)
+            z = (v - med) / max(1.4826 * mad, 1e-12 * max(abs(med), 1.0))
+            expect = z > 5.0 and v > 1.5 * med
+        assert bool(d.update(step, v)) == expect, step
+        assert d.median() == statistics.median(d.values) if d.values else True
+        fired += expect
+        if not expect:
+            window.append(v)
+    assert list(d.values) == list(window)
+    assert 20 < fired < 120  # the planted spikes, not every step and not none
+
+
 def test_spike_detector_rejects_warmup_longer_than_window():
     with pytest.raises(ValueError, match="monitor.x.warmup=20 is not allowed"):
         SpikeDetector("x", window=10, warmup=20)

@@ -10,6 +10,7 @@ sudden drop in loss is not a fault).
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -38,24 +39,37 @@ class SpikeDetector:
         self.name, self.window, self.warmup = name, window, warmup
         self.threshold, self.min_ratio, self.kind = threshold, min_ratio, kind
         self.values: deque[float] = deque(maxlen=window)
+        self._sorted: list[float] = []  # the window's values in order: the median is O(1)
+
+    def median(self) -> float:
+        v, n = self._sorted, len(self._sorted)
+        return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
     def score(self, value: float) -> float | None:
         """Robust z-score of ``value`` against the window, or None during warm-up."""
         if len(self.values) < self.warmup:
             return None
-        med = statistics.median(self.values)
+        med = self.median()
         mad = statistics.median(abs(v - med) for v in self.values)
         sigma = max(MAD_TO_SIGMA * mad, 1e-12 * max(abs(med), 1.0))
         return (value - med) / sigma
+
+    def _append(self, value: float) -> None:
+        if len(self.values) == self.values.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self.values[0])]
+        self.values.append(value)
+        bisect.insort(self._sorted, value)
 
     def update(self, step: int, value: float | None) -> list[Event]:
         if value is None or not math.isfinite(value):
             return []
         events = []
-        z = self.score(value)
-        if z is not None and z > self.threshold:
-            med = statistics.median(self.values)
-            if value > self.min_ratio * med:
+        # Both tests must pass; the ratio against the (kept sorted) median is the cheap one,
+        # so the MAD is only computed for a value already min_ratio x above the median.
+        n = len(self.values)
+        if n and n >= self.warmup and value > self.min_ratio * (med := self.median()):
+            z = self.score(value)
+            if z > self.threshold:
                 events.append(
                     Event(
                         self.kind,
@@ -69,7 +83,7 @@ class SpikeDetector:
                     )
                 )
                 return events  # a spike does not enter the window it is judged against
-        self.values.append(value)
+        self._append(value)
         return events
 
     def state_dict(self) -> dict:
@@ -77,3 +91,4 @@ class SpikeDetector:
 
     def load_state_dict(self, state: dict) -> None:
         self.values = deque(state["values"], maxlen=self.window)
+        self._sorted = sorted(self.values)
