@@ -30,7 +30,6 @@ from benchlib import mute_progress
 import stabilize.train
 from stabilize.lit.probe import StabilityProbe
 from stabilize.lit.stability import StabilityCallback
-from stabilize.norms import Norm
 
 BLOCK = 10
 ABBA = (True, False, False, True)
@@ -56,9 +55,6 @@ class Toggle(L.Callback):
             sc.probe = StabilityProbe(self.model)
         elif not on and sc.probe is not None:
             sc.probe.remove()
-            for m in self.model.modules():
-                if isinstance(m, Norm):
-                    m.collect_stats = False
             sc.probe = None
         # an instance attribute: Lightning looks hooks up on the callback object
         sc.on_before_optimizer_step = self.judge if on else (lambda *a, **k: None)

@@ -1,4 +1,5 @@
-"""A fused CPU RMSNorm/ScaleNorm (fp32 statistics), JIT-built from C++ on first use.
+"""A fused CPU RMSNorm/ScaleNorm (fp32 statistics), JIT-built from C++ on first use; and
+``absmax_into``, the monitors' one-pass |x| max.
 
 Why: on CPU, ``F.rms_norm`` is unfused and inductor will not fuse RMSNorm's dgamma column
 reduction into the dx row loop, so the ``compiled`` backend ran ~1.3x ``F.layer_norm`` in
@@ -336,6 +337,57 @@ std::vector<at::Tensor> rms_backward(const at::Tensor& gy, const at::Tensor& x,
   }
   return {dx, dw};
 }
+
+// ---- |x| max, the monitors' per-norm statistic ----
+// The magnitude bits (sign cleared) compared as unsigned integers order NaN > inf > finite
+// magnitudes, so one integer max (which vectorizes, unlike a float max with NaN rules) gives
+// |x| max with NaN and inf propagated, in a single read of x.
+SN_CLONES static uint32_t maxbits32(const uint32_t* p, int64_t n) {
+  uint32_t m = 0;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t v = p[i] & 0x7FFFFFFFu;
+    m = v > m ? v : m;
+  }
+  return m;
+}
+SN_CLONES static uint32_t maxbits16(const u16* p, int64_t n) {
+  uint32_t m = 0;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t v = uint32_t(p[i]) & 0x7FFFu;
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
+// out[k] = max(out[k], |x| max), NaN if either is NaN. x: contiguous fp32/bf16/fp16;
+// out: contiguous fp32. Chunks of fixed size, so the result is thread-count independent.
+void absmax_into(const at::Tensor& x, at::Tensor& out, int64_t k) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.scalar_type() == at::kFloat);
+  TORCH_CHECK(k >= 0 && k < out.numel(), "absmax_into: slot out of range");
+  const at::ScalarType dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t n = x.numel(), nc = (n + kChunk - 1) / kChunk;
+  std::vector<uint32_t> part(std::max<int64_t>(nc, 1), 0u);
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t i0 = c * kChunk, len = std::min(n, i0 + kChunk) - i0;
+      part[c] = dt == at::kFloat
+                    ? maxbits32(reinterpret_cast<const uint32_t*>(x.data_ptr()) + i0, len)
+                    : maxbits16(reinterpret_cast<const u16*>(x.data_ptr()) + i0, len);
+    }
+  });
+  uint32_t b = 0;
+  for (uint32_t v : part) b = std::max(b, v);
+  float m;
+  if (dt == at::kFloat) std::memcpy(&m, &b, 4);
+  else if (dt == at::kBFloat16) { const uint32_t u = b << 16; std::memcpy(&m, &u, 4); }
+  else m = float(c10::Half(u16(b), c10::Half::from_bits()));
+  float* o = out.data_ptr<float>() + k;
+  if (!(*o != *o) && (m != m || m > *o)) *o = m;
+}
 """
 
 # The cache key: a changed source, flag, torch or Python builds under a new name.
@@ -391,7 +443,7 @@ def build(name: str = _NAME, cflags: list[str] | None = None):
         return cpp_extension.load_inline(
             name,
             cpp_sources=[_CPP],
-            functions=["rms_forward", "rms_backward"],
+            functions=["rms_forward", "rms_backward", "absmax_into"],
             extra_cflags=_CFLAGS if cflags is None else cflags,
             extra_ldflags=_LDFLAGS,
             build_directory=build_dir,
@@ -414,10 +466,17 @@ def _load_cached():
     return build()
 
 
+_loaded: list = []  # [module or None] once load() has run: later calls skip the lock
+
+
 def load():
     """The built extension module, or None when it cannot be built (once per process)."""
+    if _loaded:
+        return _loaded[0]
     with _lock:
-        return _load_cached()
+        ext = _load_cached()
+    _loaded[:] = [ext]
+    return ext
 
 
 def available() -> bool:
@@ -452,6 +511,27 @@ class _FusedRMSNorm(torch.autograd.Function):
         gy2 = gy.reshape(x2.shape).contiguous()
         dx, dw = load().rms_backward(gy2, x2, rstd, wf, mean)
         return dx.view(shape), None if w_dtype is None else dw.to(w_dtype), None, None, None
+
+
+def absmax_into(x: torch.Tensor, out: torch.Tensor, k: int) -> None:
+    """``out[k] = max(out[k], |x| max)`` in place, NaN if either is NaN (else inf if x holds
+    one): one read of x, no allocation, no host sync. The kernel on CPU (fp32/bf16/fp16,
+    contiguous, eager); elsewhere (CUDA, torch.compile's tracing, no compiler) torch ops,
+    ``max(max x, -min x)``, which on CPU is 6-13x faster than ``vector_norm(ord=inf)``."""
+    if (
+        x.device.type == "cpu"
+        and x.dtype in DTYPES
+        and x.is_contiguous()
+        and out.device.type == "cpu"
+        and out.dtype == torch.float32
+        and not torch.compiler.is_compiling()
+        and (ext := load()) is not None
+    ):
+        ext.absmax_into(x, out, k)  # reads data pointers: no autograd record
+        return
+    with torch.no_grad():
+        v = torch.maximum(x.amax(), -x.amin()).to(out.dtype)
+        out[k] = torch.maximum(out[k], v)
 
 
 def fused_rms_norm(kind, x, weight, eps, act):

@@ -145,32 +145,6 @@ def explicit_norm(kind, x, weight, bias, eps, red, act):
     return _explicit(kind, x, weight, bias, eps, red, act)[0]
 
 
-def norm_stats(x: torch.Tensor, ms: torch.Tensor | None, kind: str) -> torch.Tensor:
-    """[|x| max, rows overflowed, rows collapsed to zeros, largest row RMS] on device.
-
-    A row *overflowed* when its statistic is inf; it *collapsed* when it overflowed although
-    its input was finite: x * rsqrt(inf) = 0, a dead token with a zero gradient. Fused
-    backends reduce in fp32, so only a non-finite input can overflow them (and that row
-    turns NaN, not zero, which the NaN monitor reports): their counts are 0 and their RMS
-    is not computed (-1).
-    """
-    with torch.no_grad():
-        if ms is None:
-            # fused backends reduce in fp32: only a non-finite input breaks them (and that
-            # row turns NaN, which the NaN monitor sees); one aminmax pass, no per-row work
-            absmax = torch.maximum(x.amax(), -x.amin())  # 2x faster than aminmax on CPU
-            zero = torch.zeros((), device=x.device)  # a non-finite input: the NaN monitor's
-            return torch.stack([absmax.float(), zero, zero, zero - 1.0])
-        # |x| max per row as max(max x, -min x): on CPU 6-13x faster than
-        # vector_norm(ord=inf) (measured by scripts/bench_monitors.py); NaN propagates
-        rowmax = torch.maximum(x.amax(-1), -x.amin(-1))  # [...]
-        bad = torch.isinf(ms.squeeze(-1))
-        over, dead = bad.sum(), (bad & torch.isfinite(rowmax)).sum()
-        mean_sq = ms.float().amax() / (x.shape[-1] if kind == "scalenorm" else 1)
-        rms = mean_sq.sqrt()
-        return torch.stack([rowmax.amax().float(), over.float(), dead.float(), rms.float()])
-
-
 def torch_norm(kind, x, weight, bias, eps, act):
     """PyTorch's own kernels (statistics in at least fp32)."""
     d = x.shape[-1]
@@ -288,9 +262,13 @@ class Norm(nn.Module):
         self.weight = weight
         self.bias = bias
         self.reset_parameters()
-        # Off by default; a monitor turns it on and reads last_stats after each forward.
-        self.collect_stats = False
-        self.last_stats: torch.Tensor | None = None
+        # Set by a monitor (stabilize.lit.probe.StabilityProbe): every training forward hands
+        # it its input and, for the explicit backend, the per-row statistic (inf where the
+        # reduction overflowed), as ``stats_sink.record_norm(stats_index, x, ms, kind)``.
+        # A call from forward, not a forward hook: hooks put every call of the module on
+        # nn.Module's slow path.
+        self.stats_sink = None
+        self.stats_index = -1
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -357,8 +335,8 @@ class Norm(nn.Module):
                 y = apex_norm(self.kind, x, self.weight, self.bias, self.eps, act)
             else:
                 y = torch_norm(self.kind, x, self.weight, self.bias, self.eps, act)
-            if self.collect_stats:
-                self.last_stats = norm_stats(x, ms, self.kind)
+            if self.stats_sink is not None and self.training:
+                self.stats_sink.record_norm(self.stats_index, x, ms, self.kind)
             return y
 
     def extra_repr(self) -> str:

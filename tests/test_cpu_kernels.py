@@ -274,3 +274,60 @@ def test_fp16_activations_match_explicit_forward_and_backward_with_gamma(kernel,
     # explicit's backward runs in fp16 autograd steps, fused in fp32: agree to fp16 precision
     torch.testing.assert_close(gxf, gxe, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(dwf, dwe, rtol=2e-2, atol=2e-2)
+
+
+# ---- absmax_into: the monitors' one-pass |x| max -------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 31, 65536, 3 * 65536 + 17])  # around the 64K-element chunks
+def test_absmax_into_matches_float64_and_folds_with_max(kernel, dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 300).to(dtype)
+    x[n // 3] = -7e4 if dtype != torch.float16 else -6e4  # the largest magnitude, negative
+    expect = x.double().abs().max().item()
+    out = torch.tensor([5.0, -1.0, 1e6])
+    cpu_kernels.absmax_into(x, out, 1)
+    cpu_kernels.absmax_into(x, out, 2)  # an existing larger value stays
+    assert out.tolist() == [5.0, expect, 1e6]
+    # the same through the torch fallback (what CUDA and torch.compile's tracing run)
+    fb, strided = torch.tensor([-1.0]), torch.stack([x, x], 1)[:, 0]
+    assert n == 1 or not strided.is_contiguous()
+    cpu_kernels.absmax_into(strided, fb, 0)
+    assert fb.item() == expect
+    # thread-count independent (fixed chunks)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.zeros(1)
+        cpu_kernels.absmax_into(x, one, 0)
+    finally:
+        torch.set_num_threads(before)
+    assert one.item() == expect
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_absmax_into_propagates_nan_over_inf_over_finite(kernel, dtype):
+    x = torch.randn(100_000).to(dtype)
+    for k, v in [(5, float("-inf")), (99_999, float("inf"))]:
+        y = x.clone()
+        y[k] = v
+        out = torch.zeros(1)
+        cpu_kernels.absmax_into(y, out, 0)
+        assert out.item() == math.inf
+        y[70_000] = float("nan")  # in another chunk than the inf
+        cpu_kernels.absmax_into(y, out, 0)
+        assert math.isnan(out.item())
+        cpu_kernels.absmax_into(x, out, 0)  # NaN is sticky across micro-batches
+        assert math.isnan(out.item())
+
+
+def test_absmax_into_falls_back_to_torch_ops_without_the_kernel(monkeypatch):
+    """No compiler, or a non-contiguous/float64/CUDA input: torch ops, same answer."""
+    x = torch.randn(64, 48, dtype=torch.float64) * 10
+    out = torch.tensor([0.0, 3.0])
+    cpu_kernels.absmax_into(x.t(), out, 0)  # float64, non-contiguous: not the kernel's
+    assert out[0].item() == pytest.approx(x.abs().max().item(), rel=1e-7)
+    monkeypatch.setattr(cpu_kernels, "_loaded", [None])  # as if the build had failed
+    y = torch.randn(1000)
+    y[10] = float("nan")
+    cpu_kernels.absmax_into(y, out, 1)
+    assert math.isnan(out[1].item())

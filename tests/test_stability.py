@@ -298,12 +298,21 @@ def test_nan_in_the_forward_is_localized_to_its_module_and_rolled_back(tmp_path)
 
 
 @pytest.mark.slow
-def test_monitors_see_the_same_numbers_under_torch_compile(tmp_path):
-    common = [*BASE, "trainer.max_steps=3", "norm=rmsnorm", "norm.backend=explicit"]
+@pytest.mark.parametrize(
+    "norm",
+    [
+        ["norm=rmsnorm", "norm.backend=explicit"],  # row statistics: overflow counts, RMS
+        ["norm=layernorm", "norm.placement=post"],  # |x| max only; block hooks (post)
+    ],
+    ids=["explicit", "torch-post"],
+)
+def test_monitors_see_the_same_numbers_under_torch_compile(tmp_path, norm):
+    common = [*BASE, "trainer.max_steps=3", *norm]
     run(compose_run(tmp_path / "eager", common))
     run(compose_run(tmp_path / "compiled", [*common, "trainer.compile=true"]))
     a, b = read_csv_metrics(tmp_path / "eager"), read_csv_metrics(tmp_path / "compiled")
-    for key in ("act/h.0", "act/h.1.ln_1", "rms/h.1.ln_1", "attn_logit/h.0.attn"):
+    keys = ["act/h.0", "act/h.1.ln_1", "attn_logit/h.0.attn"]
+    for key in keys + (["rms/h.1.ln_1"] if "norm.backend=explicit" in norm else []):
         va, vb = series(a, key), series(b, key)
         assert va and va.keys() == vb.keys(), key
         for s in va:
@@ -404,11 +413,9 @@ def test_probe_block_and_norm_maxima_match_a_direct_measurement(placement):
         assert named[k] == pytest.approx(v, rel=1e-6), k
 
 
-def test_snapshots_reuse_their_buffers_and_a_restore_never_aliases_one(tmp_path):
-    """The ring writes a new snapshot into the buffers of the one leaving it; a restore
-    must hand the optimizer copies (Optimizer.load_state_dict keeps a CPU snapshot's own
-    tensors), or training would rewrite the snapshot and a second rollback to it would
-    restore the live state."""
+def _bare_stability(tmp_path, **rollback):
+    """The stability callback on a two-layer model with a real AdamW and scheduler, and just
+    enough of a trainer for ``_snapshot``/``restore``; ``train(n)`` takes n real steps."""
     from types import SimpleNamespace
 
     from stabilize.faults import FaultConfig
@@ -428,7 +435,7 @@ def test_snapshots_reuse_their_buffers_and_a_restore_never_aliases_one(tmp_path)
     )
     pl = SimpleNamespace(model=model, model_step=0, data_step=0)
     cb = StabilityCallback(
-        MonitorConfig(), RollbackConfig(keep=2, durable_every=0), FaultConfig(), str(tmp_path)
+        MonitorConfig(), RollbackConfig(**rollback), FaultConfig(), str(tmp_path)
     )
 
     def train(n):
@@ -439,22 +446,34 @@ def test_snapshots_reuse_their_buffers_and_a_restore_never_aliases_one(tmp_path)
             opt.zero_grad()
             pl.model_step += 1
 
-    def frozen(state):  # an independent copy of a snapshot's tensors
-        return {
-            "model": {k: v.clone() for k, v in state["model"].items()},
-            "optimizer": {
-                i: {k: v.clone() for k, v in s.items()}
-                for i, s in state["optimizer"]["state"].items()
-            },
-        }
+    return cb, trainer, pl, opt, train
 
-    def assert_equal(state, ref):
-        for k, v in ref["model"].items():
-            assert torch.equal(state["model"][k], v), k
-        for i, s in ref["optimizer"].items():
-            for k, v in s.items():
-                assert torch.equal(state["optimizer"]["state"][i][k], v), (i, k)
 
+def _frozen(state):  # an independent copy of a snapshot's tensors
+    return {
+        "model": {k: v.clone() for k, v in state["model"].items()},
+        "optimizer": {
+            i: {k: v.clone() for k, v in s.items()} for i, s in state["optimizer"]["state"].items()
+        },
+    }
+
+
+def _assert_state_equal(state, ref):
+    for k, v in ref["model"].items():
+        assert torch.equal(state["model"][k], v), k
+    for i, s in ref["optimizer"].items():
+        for k, v in s.items():
+            assert torch.equal(state["optimizer"]["state"][i][k], v), (i, k)
+
+
+def test_snapshots_reuse_their_buffers_and_a_restore_never_aliases_one(tmp_path):
+    """The ring writes a new snapshot into the buffers of the one leaving it; a restore
+    must hand the optimizer copies (Optimizer.load_state_dict keeps a CPU snapshot's own
+    tensors), or training would rewrite the snapshot and a second rollback to it would
+    restore the live state."""
+    cb, trainer, pl, opt, train = _bare_stability(tmp_path, keep=2, durable_every=0)
+    model = pl.model
+    frozen, assert_equal = _frozen, _assert_state_equal
     snaps = []
     for _ in range(3):
         train(1)
@@ -484,3 +503,50 @@ def test_snapshots_reuse_their_buffers_and_a_restore_never_aliases_one(tmp_path)
     cb._snapshot(trainer, pl)
     assert cb.ring.ring[-1].state["model"]["0.weight"] is c.state["model"]["0.weight"]
     assert_equal(b.state, ref)
+
+
+def test_durable_writes_run_in_the_background_and_never_see_a_recycled_buffer(
+    tmp_path, monkeypatch
+):
+    """keep=1, a durable write on every snapshot: the next snapshot recycles the very
+    buffers being written. The write is slowed (the real save_durable after a pause), so
+    without the wait in ``_snapshot`` the file would hold the next step's weights."""
+    import threading
+
+    import stabilize.rollback as rb
+
+    real, threads = rb.save_durable, set()
+
+    def slow_save(snap, directory):
+        threads.add(threading.current_thread().name)
+        time.sleep(0.3)
+        return real(snap, directory)
+
+    monkeypatch.setattr(rb, "save_durable", slow_save)
+    cb, trainer, pl, _opt, train = _bare_stability(tmp_path, keep=1, durable_every=1)
+    refs = {}
+    for _ in range(3):
+        train(1)
+        t = time.perf_counter()
+        cb._snapshot(trainer, pl)
+        refs[pl.model_step] = _frozen(cb.ring.ring[-1].state)
+        if pl.model_step == 1:
+            assert time.perf_counter() - t < 0.25  # the first write did not block training
+    cb.teardown(trainer, pl, "fit")  # waits for the last write
+    assert threads and all(n.startswith("stabilize-durable") for n in threads)
+    files = sorted((tmp_path / "snapshots").glob("snapshot-*.pt"))
+    assert [f.name for f in files] == [f"snapshot-{i:06d}.pt" for i in (1, 2, 3)]
+    for f in files:
+        snap = load_durable(f)
+        _assert_state_equal(snap.state, refs[snap.step])
+    assert cb.writer.blocked_s >= 0.2  # snapshots 2 and 3 waited for the write before them
+
+
+def test_a_failed_durable_write_is_raised_on_the_training_thread(tmp_path):
+    cb, trainer, pl, _opt, train = _bare_stability(tmp_path, keep=2, durable_every=1)
+    (tmp_path / "snapshots").write_text("a file where the directory should be")
+    train(1)
+    cb._snapshot(trainer, pl)  # submitted; it fails on the writer thread
+    with pytest.raises((FileExistsError, NotADirectoryError)):
+        cb.writer.wait()
+    cb.writer.close()

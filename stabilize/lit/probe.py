@@ -3,12 +3,17 @@
 Series, in a fixed order (so every rank stacks the same vector):
 - ``h.{i}``: the residual stream after block i, |x| max;
 - every norm by module name (``h.{i}.ln_1``, ``ln_f``, ...): its input's |x| max, rows
-  whose reduction overflowed, rows that collapsed to zeros, largest row RMS (read from the
-  norm's own ``last_stats``, see stabilize.norms.norm_stats);
+  whose reduction overflowed, rows that collapsed to zeros, largest row RMS (the last three
+  for the explicit backend, the one whose reduction can overflow; the norm hands its input
+  and statistic to ``record_norm`` from its own forward);
 - ``h.{i}.attn``: an upper bound on the attention logit, max|q| max|k| / sqrt(d_head)
-  (Cauchy-Schwarz; the exact max would cost a second attention).
-Maxima accumulate with ``torch.maximum`` and counts with ``+`` across the micro-batches of
-one optimizer step; ``reset()`` starts the next step.
+  (Cauchy-Schwarz; the exact max would cost a second attention), on detailed steps only.
+
+Everything lands in one preallocated fp32 device buffer, laid out as
+``[block max | attn bound | norm |x| max | norm RMS max | overflow rows | collapsed rows]``:
+maxima fold in with max (NaN wins), counts with +, across the micro-batches of one optimizer
+step; ``reset()`` starts the next step. On CPU the |x| max is one pass of a C++ kernel
+(``stabilize.cpu_kernels.absmax_into``) written straight into its slot.
 """
 
 from __future__ import annotations
@@ -18,58 +23,82 @@ import math
 import torch
 from torch import nn
 
+from stabilize.cpu_kernels import absmax_into
 from stabilize.norms import Norm
 
 
 class StabilityProbe:
     def __init__(self, model: nn.Module):
+        self.model = model
         self.blocks = [f"h.{i}" for i in range(len(model.h))]
         self.norms = [n for n, m in model.named_modules() if isinstance(m, Norm)]
         self.attn = [f"h.{i}.attn" for i in range(len(model.h))]
-        self._handles = []
-        # The attention bound is logged, not judged: the callback asks for it only on the
-        # steps it logs (two passes over q and k otherwise spent every step).
-        self.detailed = True
-        self._block_max: list[torch.Tensor | None] = [None] * len(self.blocks)
-        self._norm: list[torch.Tensor | None] = [None] * len(self.norms)
-        self._attn: list[torch.Tensor | None] = [None] * len(self.attn)
-        self._q: list[torch.Tensor | None] = [None] * len(self.attn)
+        nb, na, nn_ = len(self.blocks), len(self.attn), len(self.norms)
+        self._o_attn, self._o_norm, self._o_rms = nb, nb + na, nb + na + nn_
+        self._o_over, self._o_dead = nb + na + 2 * nn_, nb + na + 3 * nn_
+        self.n_maxima = nb + na + 2 * nn_
+        self.buf: torch.Tensor | None = None  # allocated on the model's device by reset()
+        self._fresh: torch.Tensor | None = None  # what reset() copies in
+        self._q: list[torch.Tensor | None] = [None] * na
+        self._handles: list = []
+        self._attn_handles: list = []  # only on detailed steps (see reset)
         # Pre-norm and sandwich: block i's output is exactly the input of the next norm
         # (h.{i+1}.ln_1, or ln_f after the last block), which the norm already measures;
         # reading the same tensor twice would only cost another pass.
         self._alias: dict[str, str] = {}
         if model.cfg.norm.placement in ("pre", "sandwich"):
-            for i in range(len(self.blocks)):
-                nxt = f"h.{i + 1}.ln_1" if i + 1 < len(self.blocks) else "ln_f"
+            for i in range(nb):
+                nxt = f"h.{i + 1}.ln_1" if i + 1 < nb else "ln_f"
                 if nxt in self.norms:
                     self._alias[self.blocks[i]] = nxt
         self._norm_index = {name: j for j, name in enumerate(self.norms)}
         for i, block in enumerate(model.h):
             if self.blocks[i] not in self._alias:
                 self._handles.append(block.register_forward_hook(self._block_hook(i)))
-            self._handles.append(block.attn.q_norm.register_forward_hook(self._q_hook(i)))
-            self._handles.append(block.attn.k_norm.register_forward_hook(self._k_hook(i)))
         modules = dict(model.named_modules())
         self.dims = {name: modules[name].dim for name in self.norms}
-        for j, name in enumerate(self.norms):
-            modules[name].collect_stats = True
-            self._handles.append(modules[name].register_forward_hook(self._norm_hook(j)))
+        self._norm_modules = [modules[name] for name in self.norms]
+        for j, m in enumerate(self._norm_modules):
+            m.stats_sink, m.stats_index = self, j
 
-    # ---- hooks (training forwards only) -------------------------------------------------
+    # ---- the step's buffer ------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return self.n_maxima + 2 * len(self.norms)
+
+    def _allocate(self, device) -> None:
+        self.buf = torch.zeros(self.size, device=device)
+        self._fresh = torch.zeros(self.size, device=device)
+        # RMS -1: not measured (the fused and torch backends reduce in fp32 and report none)
+        self._fresh[self._o_rms : self._o_over] = -1.0
+
+    def reset(self, detailed: bool = True, device=None) -> None:
+        """Start a step: zero the statistics; ``detailed`` also measures the attention
+        bound (two passes over q and k: the callback asks for it on logged steps only)."""
+        if device is None:
+            device = next(self.model.parameters()).device
+        if self.buf is None or self.buf.device != torch.device(device):
+            self._allocate(device)
+        self.buf.copy_(self._fresh)
+        self._q = [None] * len(self.attn)
+        if detailed and not self._attn_handles:
+            for i, block in enumerate(self.model.h):
+                self._attn_handles.append(block.attn.q_norm.register_forward_hook(self._q_hook(i)))
+                self._attn_handles.append(block.attn.k_norm.register_forward_hook(self._k_hook(i)))
+        elif not detailed and self._attn_handles:
+            self._remove(self._attn_handles)
+
+    # ---- writers (training forwards only) ---------------------------------------------------
     def _block_hook(self, i):
         def hook(module, args, out):
-            if module.training:
-                with torch.no_grad():
-                    # max(max x, -min x): on CPU ~10x faster than an ord=inf norm
-                    v = torch.maximum(out.amax(), -out.amin()).float()
-                    prev = self._block_max[i]
-                    self._block_max[i] = v if prev is None else torch.maximum(prev, v)
+            if module.training and self.buf is not None:
+                absmax_into(out, self.buf, i)
 
         return hook
 
     def _q_hook(self, i):
         def hook(module, args, out):  # out: [B, H, T, hd]
-            if module.training and self.detailed:
+            if module.training:
                 with torch.no_grad():
                     self._q[i] = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))
 
@@ -77,77 +106,69 @@ class StabilityProbe:
 
     def _k_hook(self, i):
         def hook(module, args, out):
-            if module.training and self.detailed and self._q[i] is not None:
+            if module.training and self._q[i] is not None and self.buf is not None:
                 with torch.no_grad():
                     kn = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))  # [H]
                     v = (self._q[i] * kn).amax() / math.sqrt(out.shape[-1])
-                    prev = self._attn[i]
-                    self._attn[i] = v if prev is None else torch.maximum(prev, v)
+                    k = self._o_attn + i
+                    self.buf[k] = torch.maximum(self.buf[k], v)
 
         return hook
 
-    def _norm_hook(self, j):
-        def hook(module, args, out):
-            s = module.last_stats
-            if module.training and s is not None:
-                prev = self._norm[j]
-                if prev is None:
-                    self._norm[j] = s
-                else:  # max, sum, sum, max
-                    self._norm[j] = torch.stack(
-                        [
-                            torch.maximum(prev[0], s[0]),
-                            prev[1] + s[1],
-                            prev[2] + s[2],
-                            torch.maximum(prev[3], s[3]),
-                        ]
-                    )
+    def record_norm(self, j: int, x: torch.Tensor, ms: torch.Tensor | None, kind: str) -> None:
+        """Called by norm j's training forward with its input and, for the explicit backend,
+        its per-row statistic ``ms`` (mean square + eps, or sum + eps for ScaleNorm, in the
+        reduction dtype: inf exactly where the reduction overflowed).
 
-        return hook
+        A row *overflowed* when its statistic is inf; it *collapsed* when it overflowed
+        although its input was finite: x * rsqrt(inf) = 0, a dead token with a zero gradient.
+        The other backends reduce in fp32: only a non-finite input breaks them (that row
+        turns NaN, which the NaN monitor reports), so only their |x| max is measured.
+        """
+        buf = self.buf
+        if buf is None:
+            return
+        if ms is None:
+            absmax_into(x, buf, self._o_norm + j)
+            return
+        with torch.no_grad():
+            rowmax = torch.maximum(x.amax(-1), -x.amin(-1))  # [...]; NaN propagates
+            bad = torch.isinf(ms.squeeze(-1))
+            mean_sq = ms.float().amax() / (x.shape[-1] if kind == "scalenorm" else 1)
+            for k, v in (
+                (self._o_norm + j, rowmax.amax().float()),
+                (self._o_rms + j, mean_sq.sqrt()),
+            ):
+                buf[k] = torch.maximum(buf[k], v)
+            buf[self._o_over + j] += bad.sum()
+            buf[self._o_dead + j] += (bad & torch.isfinite(rowmax)).sum()
 
     # ---- the step's vector ------------------------------------------------------------------
-    def reset(self) -> None:
-        self._q = [None] * len(self.attn)
-        self._block_max = [None] * len(self.blocks)
-        self._norm = [None] * len(self.norms)
-        self._attn = [None] * len(self.attn)
-
-    @property
-    def size(self) -> int:
-        return len(self.blocks) + len(self.attn) + 4 * len(self.norms)
-
     def vector(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(maxima, counts): maxima are reduced across ranks with max, counts with sum.
+        """(maxima, counts), views of the buffer: maxima are reduced across ranks with max,
+        counts with sum.
 
         maxima = [block |x| max..., attn bound..., norm |x| max..., norm RMS max...]
         counts = [norm overflow rows..., norm collapsed rows...]
+        A pre-norm block's own slot stays 0: ``unpack`` reads it from the next norm's.
         """
-        zero = torch.zeros((), device=device)
-        blocks = []
-        for i, name in enumerate(self.blocks):
-            if name in self._alias:  # measured by the next norm (its input |x| max)
-                v = self._norm[self._norm_index[self._alias[name]]]
-                blocks.append(v[0] if v is not None else zero)
-            else:
-                v = self._block_max[i]
-                blocks.append(v if v is not None else zero)
-        attn = [v if v is not None else zero for v in self._attn]
-        norms = [v if v is not None else torch.zeros(4, device=device) for v in self._norm]
-        n = torch.stack(norms) if norms else torch.zeros(0, 4, device=device)  # [N, 4]
-        maxima = torch.cat(
-            [torch.stack(blocks + attn) if blocks else zero[None][:0], n[:, 0], n[:, 3]]
-        )
-        counts = torch.cat([n[:, 1], n[:, 2]])
-        return maxima, counts
+        if self.buf is None:
+            self.reset(detailed=False, device=device)
+        return self.buf[: self.n_maxima], self.buf[self.n_maxima :]
 
     def unpack(self, maxima: list[float], counts: list[float]) -> dict[str, dict[str, float]]:
         """Host lists -> named dicts for StepStats."""
         nb, na, nn_ = len(self.blocks), len(self.attn), len(self.norms)
+        norm_max = maxima[nb + na : nb + na + nn_]
+        blocks = maxima[:nb]
+        for i, name in enumerate(self.blocks):
+            if name in self._alias:  # measured by the next norm (its input |x| max)
+                blocks[i] = norm_max[self._norm_index[self._alias[name]]]
         out = {
-            "act_max": dict(zip(self.blocks, maxima[:nb], strict=True)),
+            "act_max": dict(zip(self.blocks, blocks, strict=True)),
             "attn_logit": dict(zip(self.attn, maxima[nb : nb + na], strict=True)),
         }
-        out["act_max"].update(zip(self.norms, maxima[nb + na : nb + na + nn_], strict=True))
+        out["act_max"].update(zip(self.norms, norm_max, strict=True))
         out["norm_rms_max"] = {
             k: v for k, v in zip(self.norms, maxima[nb + na + nn_ :], strict=True) if v >= 0
         }
@@ -155,7 +176,16 @@ class StabilityProbe:
         out["norm_collapsed"] = dict(zip(self.norms, counts[nn_:], strict=True))
         return out
 
-    def remove(self) -> None:
-        for h in self._handles:
+    @staticmethod
+    def _remove(handles: list) -> None:
+        for h in handles:
             h.remove()
-        self._handles = []
+        handles.clear()
+
+    def remove(self) -> None:
+        """Detach from the model: hooks removed, the norms stop reporting."""
+        self._remove(self._handles)
+        self._remove(self._attn_handles)
+        for m in self._norm_modules:
+            if m.stats_sink is self:
+                m.stats_sink, m.stats_index = None, -1

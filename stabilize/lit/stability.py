@@ -24,12 +24,12 @@ from stabilize.lit.probe import StabilityProbe
 from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
 from stabilize.numerics import sum_of_squares_rms_limit
 from stabilize.rollback import (
+    DurableWriter,
     RollbackConfig,
     RollbackPolicy,
     Snapshot,
     SnapshotRing,
     apply_remedy,
-    save_durable,
     to_cpu,
 )
 
@@ -58,6 +58,7 @@ class StabilityCallback(L.Callback):
         self.accumulate = accumulate
         self.suite = MonitorSuite(monitor)
         self.ring = SnapshotRing(rollback.keep)
+        self.writer = DurableWriter(background=rollback.durable_async)
         self.policy = RollbackPolicy(rollback)
         self.probe: StabilityProbe | None = None
         self.injector: FaultInjector | None = None
@@ -85,6 +86,20 @@ class StabilityCallback(L.Callback):
         if self.rollback_on:
             self._snapshot(trainer, pl_module)  # a floor to return to, before any step
 
+    def on_train_end(self, trainer, pl_module):
+        self.writer.wait()  # the last durable snapshot is on disk before fit returns
+
+    def on_exception(self, trainer, pl_module, exception):
+        # an abort or a crash: the durable snapshot in flight is still written (it predates
+        # the fault), then the original exception goes on
+        try:
+            self.writer.close()
+        except Exception as e:  # noqa: BLE001  (the training error is the one to report)
+            rank_zero_info(f"[stability] the durable snapshot in flight failed too: {e!r}")
+
+    def teardown(self, trainer, pl_module, stage):
+        self.writer.close()
+
     # ---- per step -----------------------------------------------------------------------
     # The verdict is reached in on_before_optimizer_step: gradients are unscaled and the
     # loss known, but nothing is applied yet. A bad step is then made a no-op (gradients
@@ -93,9 +108,9 @@ class StabilityCallback(L.Callback):
     # on_train_batch_end, after Lightning's step / scaler update / scheduler bookkeeping.
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if pl_module.data_step % self.accumulate == 0 and self.probe is not None:
-            self.probe.reset()
             # this step is logged iff Lightning's step after it is a multiple of the interval
-            self.probe.detailed = (trainer.global_step + 1) % trainer.log_every_n_steps == 0
+            detailed = (trainer.global_step + 1) % trainer.log_every_n_steps == 0
+            self.probe.reset(detailed=detailed, device=pl_module.device)
         self._batch = batch
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -283,6 +298,8 @@ class StabilityCallback(L.Callback):
         # the host buffers of the snapshot leaving the ring are written in place (copy_):
         # no allocation once the ring is full (stabilize.rollback.SnapshotRing)
         old = self.ring.recycle() or {}
+        if self.writer.busy_with(old):  # still being written to disk: let it finish first
+            self.writer.wait()
         state = {
             "model": to_cpu(pl_module.model.state_dict(), old.get("model")),
             "optimizer": to_cpu(opt.state_dict(), old.get("optimizer")),
@@ -297,7 +314,7 @@ class StabilityCallback(L.Callback):
         self.ring.push(snap)
         every = self.rcfg.durable_every
         if every and snap.step % every == 0 and trainer.is_global_zero:
-            save_durable(snap, self.run_dir / "snapshots")
+            self.writer.submit(snap, self.run_dir / "snapshots")
 
     def restore(self, trainer, pl_module, st: dict) -> None:
         """Load a snapshot's state into the live model, optimizer, scheduler, scaler and
