@@ -29,7 +29,7 @@ from benchlib import mute_progress
 
 import stabilize.train
 from stabilize.lit.probe import StabilityProbe
-from stabilize.lit.stability import StabilityCallback
+from stabilize.lit.stability import HEAD, StabilityCallback
 
 BLOCK = 10
 ABBA = (True, False, False, True)
@@ -52,7 +52,7 @@ class Toggle(L.Callback):
     def _switch(self, on: bool) -> None:
         sc = self.sc
         if on and sc.probe is None:
-            sc.probe = StabilityProbe(self.model)
+            sc.probe = StabilityProbe(self.model, lead=HEAD)
         elif not on and sc.probe is not None:
             sc.probe.remove()
             sc.probe = None
@@ -90,6 +90,22 @@ def quad_overheads(means: list[float]) -> list[float]:
     return out
 
 
+def position_overhead(stamps: dict[int, float], on: dict[int, bool], warmup: int, n: int):
+    """A cross-check of the quad median, robust to stalls in another way: for each position
+    in a block (the switch step left out), the median step time over the on blocks and over
+    the off blocks; the overhead is sum(on medians) / sum(off medians) - 1. Work done once
+    per block (the log step, the snapshot) sits at one position and counts in full; a stall
+    of the machine lands in one block at one position, and a median drops it."""
+    per: dict[bool, list[list[float]]] = {arm: [[] for _ in range(BLOCK)] for arm in (True, False)}
+    for b in range(n):
+        for pos in range(2, BLOCK + 1):  # global steps after steps 2..BLOCK of the block
+            g = warmup + b * BLOCK + pos
+            per[on[b]][pos - 1].append(stamps[g] - stamps[g - 1])
+    on_sum = sum(statistics.median(x) for x in per[True] if x)
+    off_sum = sum(statistics.median(x) for x in per[False] if x)
+    return on_sum / off_sum - 1
+
+
 def toggle_bench(cfg, steps: int, warmup: int, durable_ms: float, durable_every: int) -> dict:
     """One run of ``cfg`` (monitors and rollback on, durable snapshots off) with ``steps``
     toggled steps after ``warmup``; the durable write (``durable_ms`` every
@@ -107,5 +123,8 @@ def toggle_bench(cfg, steps: int, warmup: int, durable_ms: float, durable_every:
         quads = quad_overheads(means)
         out[key] = [q + extra for q in quads]
         out[f"{key}_step_ms"] = 1000 * off_step
+        out[f"{key}_positions"] = (
+            position_overhead(getattr(clock, key), clock.on, warmup, n_blocks) + extra
+        )
     out["quads"] = len(out["t"])
     return out

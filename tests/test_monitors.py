@@ -102,6 +102,19 @@ def test_theil_sen_matches_least_squares_on_clean_data_and_ignores_outliers():
     assert abs(np.polyfit(t, dirty, 1)[0] - 0.5) > 0.2  # least squares is dragged away
 
 
+@pytest.mark.parametrize("w", [2, 3, 4, 5, 32])  # 1, 3, 6, 10, 496 pairs: odd and even
+def test_theil_sen_is_the_median_of_all_pairwise_slopes(w):
+    import statistics
+
+    y = np.random.default_rng(w).standard_normal((3, w)).round(1)  # ties among slopes
+    before = y.copy()
+    got = theil_sen_slope(y)
+    for r in range(3):
+        pairs = [(y[r, b] - y[r, a]) / (b - a) for a in range(w) for b in range(a + 1, w)]
+        assert got[r] == pytest.approx(statistics.median(pairs), abs=1e-12)
+    np.testing.assert_array_equal(y, before)  # the input is not touched
+
+
 def test_activation_warns_once_per_crossing_of_256():
     m = ActivationMonitor(threshold=256.0)
     kinds = []

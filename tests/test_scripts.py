@@ -94,3 +94,30 @@ def test_bench_monitors_smoke(tmp_path):
     assert "| tiny |" in r.stdout and "restore from memory" in r.stdout
     assert "| tiny | 1 |" in r.stdout  # the in-run toggle table: one ABBA quad
     assert "(in-run ABBA toggle)" in r.stdout
+
+
+def test_toggle_estimators_recover_a_planted_cost():
+    """monitor_toggle's two estimators on synthetic clocks: 100 ms steps, +1 ms on every
+    step of an on block and +9 ms once per on block (a log step), a drift of the machine
+    (+0.01 ms per step) and one 80 ms stall in an off block. Expected: (1 + 0.9) / 100."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from monitor_toggle import ABBA, BLOCK, _block_means, position_overhead, quad_overheads
+
+    warmup, n_blocks = 10, 16
+    on = {b: ABBA[b % 4] for b in range(n_blocks)}
+    stamps, t = {warmup: 0.0}, 0.0
+    for g in range(warmup + 1, warmup + n_blocks * BLOCK + 1):
+        b, pos = divmod(g - warmup - 1, BLOCK)  # pos 0: the switch step (left out)
+        dt = 100.0 + 0.01 * g + (1.0 + (9.0 if pos == 7 else 0.0)) * on[b]
+        dt += 80.0 if (b, pos) == (5, 3) else 0.0  # block 5 is off (ABBA[1])
+        t += dt
+        stamps[g] = t
+    expect = (1.0 + 9.0 / (BLOCK - 1)) / 100.0
+    quads = quad_overheads(_block_means(stamps, warmup, n_blocks))
+    assert len(quads) == 4
+    clean = [q for i, q in enumerate(quads) if i != 1]  # quad 1 holds the stall
+    for q in clean:
+        assert abs(q - expect) < 0.002  # drift cancels within an ABBA quad (to ~0.1%)
+    assert quads[1] < expect - 0.01  # the stall in an off block hides the cost there
+    assert abs(sorted(quads)[2] - expect) < 0.002  # the median of four drops it
+    assert abs(position_overhead(stamps, on, warmup, n_blocks) - expect) < 0.002

@@ -10,7 +10,9 @@ Series, in a fixed order (so every rank stacks the same vector):
   (Cauchy-Schwarz; the exact max would cost a second attention), on detailed steps only.
 
 Everything lands in one preallocated fp32 device buffer, laid out as
-``[block max | attn bound | norm |x| max | norm RMS max | overflow rows | collapsed rows]``:
+``[lead | block max | attn bound | norm |x| max | norm RMS max | overflow rows | collapsed
+rows]``, where ``lead`` slots are the caller's (the stability callback writes the step's
+loss, grad norm, loss scale and found-inf flag there: the whole step is then one vector):
 maxima fold in with max (NaN wins), counts with +, across the micro-batches of one optimizer
 step; ``reset()`` starts the next step. On CPU the |x| max is one pass of a C++ kernel
 (``stabilize.cpu_kernels.absmax_into``) written straight into its slot.
@@ -28,14 +30,20 @@ from stabilize.norms import Norm
 
 
 class StabilityProbe:
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, lead: int = 0):
         self.model = model
+        self.lead = lead
         self.blocks = [f"h.{i}" for i in range(len(model.h))]
         self.norms = [n for n, m in model.named_modules() if isinstance(m, Norm)]
         self.attn = [f"h.{i}.attn" for i in range(len(model.h))]
         nb, na, nn_ = len(self.blocks), len(self.attn), len(self.norms)
-        self._o_attn, self._o_norm, self._o_rms = nb, nb + na, nb + na + nn_
-        self._o_over, self._o_dead = nb + na + 2 * nn_, nb + na + 3 * nn_
+        o = lead
+        self._o_block, self._o_attn, self._o_norm = o, o + nb, o + nb + na
+        self._o_rms, self._o_over, self._o_dead = (
+            o + nb + na + nn_,
+            o + nb + na + 2 * nn_,
+            o + nb + na + 3 * nn_,
+        )
         self.n_maxima = nb + na + 2 * nn_
         self.buf: torch.Tensor | None = None  # allocated on the model's device by reset()
         self._fresh: torch.Tensor | None = None  # what reset() copies in
@@ -64,7 +72,8 @@ class StabilityProbe:
     # ---- the step's buffer ------------------------------------------------------------------
     @property
     def size(self) -> int:
-        return self.n_maxima + 2 * len(self.norms)
+        """Slots in the buffer, the caller's lead included."""
+        return self.lead + self.n_maxima + 2 * len(self.norms)
 
     def _allocate(self, device) -> None:
         self.buf = torch.zeros(self.size, device=device)
@@ -92,7 +101,7 @@ class StabilityProbe:
     def _block_hook(self, i):
         def hook(module, args, out):
             if module.training and self.buf is not None:
-                absmax_into(out, self.buf, i)
+                absmax_into(out, self.buf, self._o_block + i)
 
         return hook
 
@@ -154,7 +163,8 @@ class StabilityProbe:
         """
         if self.buf is None:
             self.reset(detailed=False, device=device)
-        return self.buf[: self.n_maxima], self.buf[self.n_maxima :]
+        end = self.lead + self.n_maxima
+        return self.buf[self.lead : end], self.buf[end:]
 
     def unpack(self, maxima: list[float], counts: list[float]) -> dict[str, dict[str, float]]:
         """Host lists -> named dicts for StepStats."""

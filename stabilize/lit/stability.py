@@ -33,6 +33,8 @@ from stabilize.rollback import (
     to_cpu,
 )
 
+HEAD = 4  # the step vector's first slots: loss, grad norm, loss scale, found-inf
+
 
 class StabilityAbort(RuntimeError):
     """Raised on every rank at once when the policy gives up; carries the diagnosis."""
@@ -80,7 +82,7 @@ class StabilityCallback(L.Callback):
         if getattr(self, "_fault_state", None):  # resumed: loaded before this runs
             self.injector.load_state_dict(self._fault_state)
         if self.mcfg.enabled:
-            self.probe = StabilityProbe(model)
+            self.probe = StabilityProbe(model, lead=HEAD)
 
     def on_train_start(self, trainer, pl_module):
         if self.rollback_on:
@@ -164,20 +166,22 @@ class StabilityCallback(L.Callback):
         loss = pl_module.step_loss
         if loss is not None:
             loss = loss.float() if self.accumulate == 1 else loss.float() / self.accumulate
-        head = torch.stack(
-            [
-                loss if loss is not None else nan,
-                pl_module.grad_total_norm().float().reshape(()),
-                scale.float().reshape(()) if scale is not None else minus1,
-                found_inf,
-            ]
-        )
+        head = [
+            loss if loss is not None else nan,
+            pl_module.grad_total_norm().float().reshape(()),
+            scale.float().reshape(()) if scale is not None else minus1,
+            found_inf,
+        ]
+        nh = HEAD
         if self.probe is not None:
-            maxima, counts = self.probe.vector(dev)
+            # the probe's buffer has HEAD lead slots for these: the step is one vector
+            maxima, _ = self.probe.vector(dev)
+            vec = self.probe.buf
+            torch.stack(head, out=vec[:nh])
         else:
-            maxima = counts = torch.zeros(0, device=dev)
-        vec = torch.cat([head, maxima.float(), counts.float()])
-        nh, nm = head.numel(), maxima.numel()
+            vec = torch.stack(head)
+            maxima = vec[:0]
+        nm = maxima.numel()
         if trainer.world_size > 1:
             out = torch.empty(trainer.world_size * vec.numel(), device=dev)
             torch.distributed.all_gather_into_tensor(out, vec)

@@ -16,17 +16,36 @@ import numpy as np
 from stabilize.monitors.events import ROLLBACK, WARN, Event, StepStats
 from stabilize.numerics import DANGER_LINE
 
+_PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # W -> (i, j, j - i)
+
 
 def theil_sen_slope(y: np.ndarray) -> np.ndarray:
     """Median of pairwise slopes along the last axis (steps equally spaced).
 
     y: [series, W]. Robust to outliers: up to ~29% of the points can be wild without moving
     the estimate (Sen 1968). Returns [series].
+
+    The pair indices are made once per W, the slopes computed in one buffer and the median
+    taken by an in-place partition: the same numbers as ``np.median``, ~2.5x cheaper,
+    which matters on the steps that refit (measured in a training run, where the forward's
+    memory traffic has evicted numpy's working set: ~0.6 ms -> ~0.24 ms at 7 x 32).
     """
     w = y.shape[-1]
-    i, j = np.triu_indices(w, k=1)
-    slopes = (y[:, j] - y[:, i]) / (j - i)  # [series, W(W-1)/2]
-    return np.median(slopes, axis=-1)
+    pairs = _PAIRS.get(w)
+    if pairs is None:
+        i, j = np.triu_indices(w, k=1)
+        pairs = _PAIRS[w] = (i, j, (j - i).astype(np.float64))
+    i, j, dist = pairs
+    slopes = y[:, j]  # [series, W(W-1)/2], a new array: worked on in place
+    slopes -= y[:, i]
+    slopes /= dist
+    m = slopes.shape[-1]
+    k = m // 2
+    if m % 2:
+        slopes.partition(k, axis=-1)
+        return slopes[:, k].copy()
+    slopes.partition((k - 1, k), axis=-1)
+    return (slopes[:, k - 1] + slopes[:, k]) / 2
 
 
 class ActivationMonitor:
