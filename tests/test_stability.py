@@ -413,6 +413,61 @@ def test_probe_block_and_norm_maxima_match_a_direct_measurement(placement):
         assert named[k] == pytest.approx(v, rel=1e-6), k
 
 
+def test_probe_folds_micro_batches_and_counts_overflowed_rows_like_a_float64_reference():
+    """fp16 reductions, half the vocabulary's embeddings blown up so that those tokens'
+    rows overflow h.0.ln_1's sum of squares: two forwards (micro-batches) fold into one
+    step, maxima by max and counts by +, checked per norm against the norms' captured
+    inputs measured in float64 here. Then reset, the attention hooks only on detailed
+    steps, and remove() leaving the model as it was."""
+    from stabilize.lit.probe import StabilityProbe
+    from stabilize.model import GPT, GPTConfig
+    from stabilize.norms import Norm
+
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset(
+        "tiny", norm={"type": "rmsnorm", "backend": "explicit", "reduction_dtype": "fp16"}
+    )
+    model = GPT(cfg).train()
+    with torch.no_grad():
+        model.wte.weight[:128] *= 2000  # RMS ~40: sum of 128 squares ~2e5 > 65504
+    probe = StabilityProbe(model)
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, Norm)}
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in norms}
+    for n, m in norms.items():
+        m.register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0].detach().double()))
+    buf = None
+    for detailed in (True, False):
+        probe.reset(detailed=detailed, device="cpu")
+        buf = buf if buf is not None else probe.buf
+        assert probe.buf is buf  # reused, not reallocated
+        assert bool(model.h[0].attn.q_norm._forward_hooks) == detailed
+        for v in seen.values():
+            v.clear()
+        for _ in range(2):  # two micro-batches of one optimizer step
+            model(torch.randint(0, 256, (4, 32)))
+        maxima, counts = probe.vector("cpu")
+        got = probe.unpack(maxima.tolist(), counts.tolist())
+        total_over = 0
+        for n, xs in seen.items():
+            x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])  # both micro-batches
+            ss = x.half().double().square().sum(-1)  # the fp16 rows, summed exactly
+            assert ((ss - 65520).abs() > 0.05 * 65520).all()  # no borderline row
+            over = int((ss >= 65520).sum())  # fp16 rounds sums from 65520 up to inf
+            total_over += over
+            assert got["act_max"][n] == pytest.approx(x.abs().max().item(), rel=1e-6), n
+            assert got["norm_overflow"][n] == over, n
+            assert got["norm_collapsed"][n] == over, n  # every input row was finite
+            rms = math.inf if over else math.sqrt((ss.max() / x.shape[-1]).item() + 1e-5)
+            assert got["norm_rms_max"][n] == pytest.approx(rms, rel=2e-3), n
+        assert total_over > 0 and got["norm_overflow"]["h.0.ln_1"] < 2 * 4 * 32
+        assert (max(got["attn_logit"].values()) > 0) == detailed
+    probe.reset(detailed=False, device=torch.device("cpu"))
+    assert probe.buf is buf and probe.vector("cpu")[1].abs().sum() == 0
+    probe.remove()
+    assert all(m.stats_sink is None for m in norms.values())
+    assert not model.h[0].attn.q_norm._forward_hooks and not model.h[0]._forward_hooks
+
+
 def _bare_stability(tmp_path, **rollback):
     """The stability callback on a two-layer model with a real AdamW and scheduler, and just
     enough of a trainer for ``_snapshot``/``restore``; ``train(n)`` takes n real steps."""

@@ -84,10 +84,11 @@ class StabilityProbe:
     def reset(self, detailed: bool = True, device=None) -> None:
         """Start a step: zero the statistics; ``detailed`` also measures the attention
         bound (two passes over q and k: the callback asks for it on logged steps only)."""
-        if device is None:
-            device = next(self.model.parameters()).device
-        if self.buf is None or self.buf.device != torch.device(device):
-            self._allocate(device)
+        dev = torch.device(device) if device is not None else next(self.model.parameters()).device
+        have = self.buf.device if self.buf is not None else None
+        # "cuda" (no index) names the current device: only a different type or index moves
+        if have is None or have.type != dev.type or dev.index not in (None, have.index):
+            self._allocate(dev)
         self.buf.copy_(self._fresh)
         self._q = [None] * len(self.attn)
         if detailed and not self._attn_handles:
