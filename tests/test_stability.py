@@ -35,6 +35,25 @@ BASE = [
 ]
 
 
+def drift_fault(cross_step: int) -> list[str]:
+    """Activation drift from step 3 on one channel of block 0, crossing 256 on
+    ``cross_step``; an fp16 reduction, so that the crossing overflows a sum of squares
+    (|x| > 255.94), and an overflow is a rollback verdict."""
+    return [
+        "fault=activation_drift",
+        f"fault.cross_step={cross_step}",  # the step the test reads (second item)
+        "fault.step=3",
+        "fault.target_step=null",
+        "fault.channels=1",
+        "norm=rmsnorm",
+        "norm.reduction_dtype=fp16",
+        # at std 0.02 the fp16 reduction's backward overflows from step 1 (the
+        # embeddings' RMS ~0.03: docs/scenario.md); wider weights train
+        "model.init_std=0.1",
+        "monitor.activation.on_overflow=rollback",
+    ]
+
+
 def events(run_dir) -> list[dict]:
     path = Path(run_dir) / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -50,22 +69,7 @@ def kinds(evs, kind):
         (["fault=nan_loss", "fault.step=7"], "nonfinite"),
         (["fault=inf_grad", "fault.step=7", "fault.param=h.1.mlp.c_fc.weight"], "nonfinite"),
         (["fault=grad_spike", "fault.step=11", "fault.factor=1e4"], "grad_spike"),
-        (
-            [
-                "fault=activation_drift",
-                "fault.cross_step=9",  # an fp16 sum of squares overflows when |x| > 255.94
-                "fault.step=3",
-                "fault.target_step=null",
-                "fault.channels=1",
-                "norm=rmsnorm",
-                "norm.reduction_dtype=fp16",
-                # at std 0.02 the fp16 reduction's backward overflows from step 1 (the
-                # embeddings' RMS ~0.03: docs/scenario.md); wider weights train
-                "model.init_std=0.1",
-                "monitor.activation.on_overflow=rollback",
-            ],
-            "overflow",
-        ),
+        (drift_fault(cross_step=9), "overflow"),
     ],
 )
 def test_each_fault_is_detected_rolled_back_and_training_goes_on(fault, monitor, tmp_path):
@@ -247,22 +251,7 @@ def test_sigkill_during_durable_snapshots_leaves_them_loadable(tmp_path):
         (["fault=nan_loss", "fault.step=6"], "nonfinite"),
         (["fault=inf_grad", "fault.step=6", "fault.param=h.0.attn.c_attn.weight"], "nonfinite"),
         (["fault=grad_spike", "fault.step=10", "fault.factor=1e4"], "grad_spike"),
-        (
-            [
-                "fault=activation_drift",
-                "fault.cross_step=8",  # an fp16 sum of squares overflows when |x| > 255.94
-                "fault.step=3",
-                "fault.target_step=null",
-                "fault.channels=1",
-                "norm=rmsnorm",
-                "norm.reduction_dtype=fp16",
-                # at std 0.02 the fp16 reduction's backward overflows from step 1 (the
-                # embeddings' RMS ~0.03: docs/scenario.md); wider weights train
-                "model.init_std=0.1",
-                "monitor.activation.on_overflow=rollback",
-            ],
-            "overflow",
-        ),
+        (drift_fault(cross_step=8), "overflow"),
     ],
 )
 def test_torchrun_fault_on_rank_1_rolls_back_every_rank(fault, monitor, tmp_path):
