@@ -629,3 +629,14 @@ def test_a_failed_durable_write_is_raised_on_the_training_thread(tmp_path):
     with pytest.raises((FileExistsError, NotADirectoryError)):
         cb.writer.wait()
     cb.writer.close()
+
+
+def test_durable_async_false_writes_in_line(tmp_path):
+    cb, trainer, pl, _opt, train = _bare_stability(
+        tmp_path, keep=2, durable_every=1, durable_async=False
+    )
+    train(1)
+    cb._snapshot(trainer, pl)  # returns after the file is on disk, no thread involved
+    assert cb.writer._pool is None
+    snap = load_durable(tmp_path / "snapshots" / "snapshot-000001.pt")
+    _assert_state_equal(snap.state, _frozen(cb.ring.ring[-1].state))
