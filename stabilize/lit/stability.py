@@ -177,7 +177,8 @@ class StabilityCallback(L.Callback):
             # the probe's buffer has HEAD lead slots for these: the step is one vector
             maxima, _ = self.probe.vector(dev)
             vec = self.probe.buf
-            torch.stack(head, out=vec[:nh])
+            with torch.no_grad():  # out= refuses inputs that require grad
+                torch.stack(head, out=vec[:nh])
         else:
             vec = torch.stack(head)
             maxima = vec[:0]
