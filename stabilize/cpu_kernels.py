@@ -524,7 +524,7 @@ def absmax_into(x: torch.Tensor, out: torch.Tensor, k: int) -> None:
         and x.dtype in DTYPES
         and x.is_contiguous()
         and not torch.compiler.is_compiling()
-        and (ext := _loaded[0] if _loaded else load()) is not None
+        and (ext := load()) is not None
     ):
         ext.absmax_into(x, out, k)  # reads data pointers, no autograd record; checks out
         return

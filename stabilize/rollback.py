@@ -185,7 +185,6 @@ class DurableWriter:
         self.background = background
         self._pool = None
         self._pending = None  # (future, state) of the write in flight
-        self.blocked_s = 0.0  # time the training thread spent waiting for writes
 
     def submit(self, snap: Snapshot, directory: str | Path) -> None:
         self.wait()
@@ -209,11 +208,7 @@ class DurableWriter:
             return None
         future, _ = self._pending
         self._pending = None
-        t = time.perf_counter()
-        try:
-            return future.result()
-        finally:
-            self.blocked_s += time.perf_counter() - t
+        return future.result()
 
     def close(self) -> None:
         try:
