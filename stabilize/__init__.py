@@ -1,0 +1,1 @@
+"""stabilize: a mixed-precision training stability harness (see docs/ARCHITECTURE.md)."""
