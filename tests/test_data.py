@@ -8,19 +8,25 @@ import math
 import socket
 
 import datasets
+import numpy as np
 import pytest
 import torch
 
 from stabilize.data import (
+    DEFAULT_TOKENIZER,
+    TOKENIZERS,
     ByteTokenizer,
     DataConfig,
     PackedBlocks,
     StepSampler,
+    Tokenizer,
     bits_per_byte,
     build_dataloaders,
+    build_tokenizer,
     embedded_corpus,
     epoch_permutation,
     load_corpus,
+    register_tokenizer,
     split_stream,
     tokenize,
 )
@@ -73,6 +79,49 @@ def test_byte_tokenizer_round_trips_non_ascii():
     assert TOK.decode(list(TOK.encode("é"))[:1]) == "\ufffd"  # half a character: replaced
     with pytest.raises(ValueError, match=r"\[0, 255\]"):
         TOK.decode([300])
+
+
+class ShiftedBytes:
+    """A tokenizer from outside the package: byte b is id b + 300 (ids need int16)."""
+
+    vocab_size = 556
+
+    def encode(self, text):
+        return TOK.encode(text).astype(np.int16) + 300
+
+    def decode(self, seq):
+        return TOK.decode(np.asarray(seq) - 300)
+
+
+@pytest.fixture
+def shifted():
+    register_tokenizer("shifted")(ShiftedBytes)
+    yield "shifted"
+    TOKENIZERS.pop("shifted")
+
+
+def test_tokenizer_registry_builds_by_name_and_lists_the_registered(shifted):
+    assert isinstance(build_tokenizer(), ByteTokenizer) and DEFAULT_TOKENIZER == "bytes"
+    assert isinstance(build_tokenizer("bytes"), Tokenizer)
+    tok = build_tokenizer(shifted)
+    assert isinstance(tok, ShiftedBytes) and isinstance(tok, Tokenizer)
+    with pytest.raises(ValueError, match=r"tokenizer='bpe' is not allowed; allowed: \['bytes', "):
+        build_tokenizer("bpe")
+    register_tokenizer(shifted)(ShiftedBytes)  # the same class again: a no-op
+    with pytest.raises(ValueError, match="'bytes' is already registered"):
+        register_tokenizer("bytes")(ShiftedBytes)
+    assert TOKENIZERS["bytes"] is ByteTokenizer
+
+
+def test_registered_tokenizer_feeds_the_loaders(shifted, offline):
+    cfg = DataConfig(max_chars=5_000, batch_size=2, val_fraction=0.1)
+    stream = tokenize(embedded_corpus(max_chars=5_000), build_tokenizer(shifted))
+    assert stream.dtype == torch.int16  # vocab 556 does not fit uint8
+    assert torch.equal(stream.long() - 300, stream_of(cfg).long())
+    train, _ = build_dataloaders(cfg, 16, num_steps=2, tokenizer=build_tokenizer(shifted))
+    x, y = next(iter(train))
+    assert x.dtype == torch.long and int(x.min()) >= 300 and int(x.max()) < 556
+    assert torch.equal(x[:, 1:], y[:, :-1])
 
 
 # ---- corpora -----------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""The (train, val) DataLoaders of one rank: corpus -> tokens -> blocks -> step-indexed order.
+
+Each stage is its own file (corpus.py, tokenizer.py, packing.py, sampler.py); this one only
+wires them and checks that the corpus is large enough for the block size and the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.data import DataLoader
+
+from stabilize.data.config import DataConfig, check_int
+from stabilize.data.corpus import load_corpus
+from stabilize.data.packing import PackedBlocks, StepTagged, split_stream
+from stabilize.data.sampler import StepSampler
+from stabilize.data.tokenizer import Tokenizer, build_tokenizer, tokenize
+from stabilize.validate import check_positive
+
+
+def token_stream(cfg: DataConfig, tokenizer: Tokenizer) -> torch.Tensor:
+    """The whole corpus of ``cfg`` as one 1-D token stream (the seam for a token cache)."""
+    return tokenize(load_corpus(cfg), tokenizer, cfg.text_field)
+
+
+def build_dataloaders(
+    cfg: DataConfig,
+    block_size: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    start_step: int = 0,
+    num_steps: int | None,
+    val_batches: int | None = None,
+    tokenizer: Tokenizer | None = None,
+    tagged: bool = False,
+) -> tuple[DataLoader, DataLoader]:
+    """(train, val) loaders for one rank. The train loader yields num_steps - start_step
+    micro-batches in StepSampler order (unbounded for num_steps=None; with ``tagged`` each
+    batch is (x, y, steps) and the sampler is seekable through ``loader.batch_sampler``);
+    val is fixed: the first val_batches batches (None: all)
+    of the val blocks in order, rank r taking batches r, r+W, ... (unequal by at most one)."""
+    check_positive("block_size", block_size, integer=True)
+    if val_batches is not None:  # 0: no validation (as Lightning's limit_val_batches=0)
+        check_int("val_batches", val_batches)
+    stream = token_stream(cfg, tokenizer or build_tokenizer())
+    train_stream, val_stream = split_stream(stream, cfg.val_fraction)
+    need = block_size + 1
+    if len(train_stream) < need:
+        raise ValueError(
+            f"the corpus is too small: {len(train_stream)} train tokens (of {len(stream)}, "
+            f"after holding out data.val_fraction={cfg.val_fraction}); one block of "
+            f"block_size={block_size} needs {need}. Use a larger corpus or a smaller block_size."
+        )
+    train = PackedBlocks(train_stream, block_size)
+    val = PackedBlocks(val_stream, block_size)
+    n_val = math.ceil(len(val) / cfg.batch_size)
+    n_val = n_val if val_batches is None else min(n_val, val_batches)
+    if cfg.val_fraction > 0 and val_batches != 0 and n_val < world_size:
+        # A rank with no val batch would never join the epoch-end metric reduction.
+        raise ValueError(
+            f"data.val_fraction={cfg.val_fraction} gives {len(val_stream)} val tokens, "
+            f"{n_val} batches of blocks of {need}; world_size={world_size} ranks need "
+            "one each. Raise data.val_fraction or set it to 0."
+        )
+    sampler = StepSampler(
+        len(train),
+        cfg.batch_size,
+        cfg.seed,
+        rank,
+        world_size,
+        start_step,
+        num_steps=num_steps,
+        tagged=tagged,
+    )
+    b = cfg.batch_size
+    val_index = [
+        list(range(i * b, min(i * b + b, len(val)))) for i in range(rank, n_val, world_size)
+    ]
+    kw = dict(num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+    train_loader = DataLoader(StepTagged(train) if tagged else train, batch_sampler=sampler, **kw)
+    return train_loader, DataLoader(val, batch_sampler=val_index, **kw)
