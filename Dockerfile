@@ -18,7 +18,7 @@ ARG NGC_TAG=25.12-py3
 FROM nvcr.io/nvidia/pytorch:${NGC_TAG}
 
 WORKDIR /workspace/stabilize
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY stabilize ./stabilize
 COPY configs ./configs
 COPY scripts ./scripts
