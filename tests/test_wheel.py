@@ -66,6 +66,11 @@ class Venv:
         # installed beside them.
         deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
         (self.site / "_stabilize_test_deps.pth").write_text("".join(f"{p}\n" for p in deps))
+        # A real install of the ninja dependency puts its binary in the venv's bin, where
+        # cpu_kernels looks first; without it the system's ninja would build the fused kernel,
+        # and a ninja of another version rebuilds the shared cached one (its log hashes differ).
+        if ninja := shutil.which("ninja", path=str(Path(sys.executable).parent)):
+            (self.python.parent / "ninja").symlink_to(ninja)
         self.cwd = root / "elsewhere"
         self.cwd.mkdir()
         self.env = {k: v for k, v in os.environ.items() if k not in REPO_POINTERS}
@@ -134,6 +139,16 @@ def test_stabilize_train_help_and_two_steps_from_outside_the_repo(venv):
     hydra = yaml.safe_load((run_dir / ".hydra" / "hydra.yaml").read_text())["hydra"]
     main = [s for s in hydra["runtime"]["config_sources"] if s["provider"] == "main"]
     assert [Path(s["path"]) for s in main] == [venv.site / "stabilize" / "configs"]
+
+
+def test_config_dir_is_the_override_else_the_checkouts(monkeypatch, tmp_path):
+    """The third place, the installed copy, is what the venv tests above check."""
+    from stabilize.train import config_dir
+
+    monkeypatch.setenv("STABILIZE_CONFIG_DIR", str(tmp_path))
+    assert config_dir() == tmp_path
+    monkeypatch.delenv("STABILIZE_CONFIG_DIR")
+    assert config_dir() == REPO / "configs"  # this checkout has no stabilize/configs
 
 
 @pytest.mark.slow
