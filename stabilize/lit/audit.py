@@ -30,22 +30,16 @@ import lightning as L
 import torch
 
 from stabilize.lit.config import AuditConfig
-from stabilize.norms import Norm
+from stabilize.norms import Norm, get_norm_type
 
 FLAT_TOLERANCE = 0.05  # |output norm / sqrt(D) - 1| above this: flattened
 
 
 def reference64(norm: Norm, x: torch.Tensor) -> torch.Tensor:
-    """The norm in float64, from its definition (Ba et al. 2016; Zhang & Sennrich 2019;
-    Nguyen & Salazar 2019), eps inside the square root as every implementation here does."""
-    x = x.double()
-    if norm.kind == "layernorm":
-        xc = x - x.mean(-1, keepdim=True)
-        y = xc / torch.sqrt((xc * xc).mean(-1, keepdim=True) + norm.eps)
-    elif norm.kind == "rmsnorm":
-        y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + norm.eps)
-    else:  # scalenorm: g x / ||x||
-        y = x / torch.sqrt((x * x).sum(-1, keepdim=True) + norm.eps)
+    """The norm in float64, from its type's definition (``NormType.reference64``: Ba et al.
+    2016; Zhang & Sennrich 2019; Nguyen & Salazar 2019), eps inside the square root as every
+    implementation here does; then gamma and beta in float64."""
+    y = get_norm_type(norm.kind).reference64(x.double(), norm.eps)
     if norm.weight is not None:
         y = y * norm.weight.double()
     if norm.bias is not None:

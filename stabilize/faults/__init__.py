@@ -1,0 +1,45 @@
+"""Step-targeted, rank-targeted fault injection, for tests and failure scenarios.
+
+One class per fault kind (``base.Fault``: hooks on the loss, the gradients and the
+forward, rollback and checkpoint state), registered by name (``base.register_fault``);
+``fault.kind`` (``FaultConfig``, the Hydra ``fault=`` group) picks one and
+``FaultInjector`` drives it.
+
+Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike`` (``point.py``) and
+``activation_drift`` (``drift.py``). To add one: subclass ``PointFault`` (or ``Fault``),
+set ``kind``, override the hooks it needs, decorate it with ``@register_fault``, import
+its module below, and add ``configs/fault/<kind>.yaml``.
+"""
+
+from stabilize.faults.base import (
+    Fault,
+    PointFault,
+    fault_class,
+    fault_kinds,
+    register_fault,
+    unregister_fault,
+)
+from stabilize.faults.config import FaultConfig
+
+# The built-in kinds register on import, in this order (the order of the allowed values).
+# isort: off
+from stabilize.faults.point import GradSpike, InfGrad, NanLoss, NoFault
+from stabilize.faults.drift import ActivationDrift
+from stabilize.faults.injector import FaultInjector
+# isort: on
+
+__all__ = [
+    "ActivationDrift",
+    "Fault",
+    "FaultConfig",
+    "FaultInjector",
+    "GradSpike",
+    "InfGrad",
+    "NanLoss",
+    "NoFault",
+    "PointFault",
+    "fault_class",
+    "fault_kinds",
+    "register_fault",
+    "unregister_fault",
+]

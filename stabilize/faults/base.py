@@ -1,0 +1,172 @@
+"""The interface every fault kind implements, the firing rule of point faults, and the
+registry of kinds by name (``fault.kind``, the Hydra ``fault=`` group, picks a class here).
+
+A fault is keyed on the model's own step (``fault.step``) and optionally on one rank
+(``fault.rank``). A *persistent* fault fires every time the model reaches its step, so it
+recurs after a rollback rewinds the model (a deterministic bug); a *transient* one fires
+once per run (a flipped bit, a bad host).
+
+The training module calls, per micro-batch: ``begin(step)`` before the forward,
+``on_loss(step, loss)`` on the loss, ``arm(step, model)`` before the backward and (through
+``FaultInjector.disarm``) removes what ``arm`` returned after it. ``attach(model)`` runs
+once, before the monitors' hooks, for faults that live in the forward. The stability
+callback snapshots ``snapshot_state()`` with every model snapshot, calls
+``on_rollback(that state)`` when it restores one, and checkpoints ``state_dict()``.
+
+A kind is registered once, by the class that implements it::
+
+    @register_fault
+    class ScaleLoss(PointFault):
+        kind = "scale_loss"
+        ...
+
+and from then on ``fault.kind=scale_loss`` is accepted by ``FaultConfig`` (the allowed
+values of its error message are the registered names, in registration order) and built
+by ``FaultInjector``. The built-in kinds register when ``stabilize.faults`` is imported.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from stabilize.validate import check_choice
+
+if TYPE_CHECKING:
+    from stabilize.faults.config import FaultConfig
+
+
+class Fault:
+    """One fault kind: every hook a no-op, so a kind overrides only the ones it uses.
+
+    Subclasses set ``kind`` (the ``fault.kind`` name) and register with
+    ``@register_fault``. ``validate`` checks the kind's own settings at config time.
+    """
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, cfg: FaultConfig, rank: int = 0):
+        self.cfg = cfg
+        self.rank = rank
+        self.fired: set[int] = set()  # wall-clock firings (transient faults fire once)
+        self.step = 0  # the model step whose forward runs now (set by begin())
+        self.disabled = False  # a transient fault that happened, then was rolled back
+
+    @classmethod
+    def validate(cls, cfg: FaultConfig) -> None:
+        """Reject settings this kind cannot honour (called by ``FaultConfig``)."""
+
+    def mine(self) -> bool:
+        """Is this rank one the fault targets?"""
+        return self.cfg.rank is None or self.cfg.rank == self.rank
+
+    def fires(self, step: int) -> bool:
+        """Does the point fault fire at this model step (on this rank)? Never, by default."""
+        return False
+
+    # ---- hooks --------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """The model step the next training forward belongs to (validation reuses it)."""
+        self.step = step
+
+    def attach(self, model: nn.Module) -> None:
+        """Once, before the monitors' hooks: install forward hooks (they run first)."""
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """The loss of ``step``'s micro-batch, possibly corrupted."""
+        return loss
+
+    def arm(self, step: int, model: nn.Module) -> list[RemovableHandle]:
+        """Before the backward of ``step``: hooks on the gradients it corrupts, removed
+        after that backward.
+
+        Tensor hooks run when a gradient is produced, before DDP's all-reduce, so a fault
+        on rank r reaches every rank through the reduce, as a real corrupted gradient would
+        (corrupting after the reduce would only desynchronise rank r's replica).
+        """
+        return []
+
+    # ---- rollback and checkpoints ---------------------------------------------------------
+    @property
+    def happened(self) -> bool:
+        """Has the fault fired (or started)?"""
+        return bool(self.fired)
+
+    def snapshot_state(self) -> dict:
+        """What a rollback rewinds: the fault's course (not the wall-clock firing history)."""
+        return {}
+
+    def restore(self, state: dict) -> None:
+        """Rewind the course to a ``snapshot_state()``."""
+
+    def stop(self) -> None:
+        """A transient fault that happened is over: undo what its course still changes."""
+
+    def on_rollback(self, snapshot_state: dict) -> None:
+        """A rollback rewinds the model: a persistent fault rewinds with it (and recurs); a
+        transient one that already happened is over; one that has not happened yet stays."""
+        if self.cfg.persistent:
+            self.restore(snapshot_state)
+        elif self.happened:
+            self.disabled = True
+            self.stop()
+
+    def state_dict(self) -> dict:
+        """Everything, for checkpoints: a resumed run neither re-fires nor re-measures."""
+        return {**self.snapshot_state(), "fired": sorted(self.fired), "disabled": self.disabled}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.restore(state)
+        self.fired = set(state["fired"])
+        self.disabled = state["disabled"]
+
+
+class PointFault(Fault):
+    """A fault of one step: it fires when the model reaches ``fault.step`` (on its rank),
+    once per run unless ``fault.persistent``."""
+
+    def fires(self, step: int) -> bool:
+        if self.disabled or step != self.cfg.step or not self.mine():
+            return False
+        if not self.cfg.persistent and step in self.fired:
+            return False
+        self.fired.add(step)
+        return True
+
+
+# ---- the registry -------------------------------------------------------------------------
+_FAULTS: dict[str, type[Fault]] = {}
+
+
+def register_fault(cls: type[Fault]) -> type[Fault]:
+    """Register ``cls`` under ``cls.kind`` (a class decorator; returns ``cls``)."""
+    kind = getattr(cls, "kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"{cls.__qualname__}.kind={kind!r} is not allowed; must be a name")
+    if kind in _FAULTS and _FAULTS[kind] is not cls:
+        old = _FAULTS[kind]
+        raise ValueError(
+            f"fault.kind={kind!r} is already registered by {old.__module__}.{old.__qualname__}"
+        )
+    _FAULTS[kind] = cls
+    return cls
+
+
+def unregister_fault(kind: str) -> None:
+    """Remove a kind (tests that register their own clean up with this)."""
+    check_choice("fault.kind", kind, _FAULTS)
+    del _FAULTS[kind]
+
+
+def fault_kinds() -> tuple[str, ...]:
+    """The names ``fault.kind`` accepts, in registration order."""
+    return tuple(_FAULTS)
+
+
+def fault_class(kind: str) -> type[Fault]:
+    """The class registered under ``kind``; an unknown name fails with the allowed ones."""
+    check_choice("fault.kind", kind, _FAULTS)
+    return _FAULTS[kind]

@@ -1,0 +1,55 @@
+"""``FaultConfig``: the ``fault`` settings (the Hydra ``fault=`` group, configs/fault/).
+
+One flat dataclass for every kind, so each YAML of the group lists every key and an
+override such as ``fault.kind=grad_spike fault.factor=1e4`` composes on any of them. The
+kind's own cross-field checks live with its class (``Fault.validate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stabilize.faults.base import fault_class
+from stabilize.validate import check_positive
+
+
+@dataclass
+class FaultConfig:
+    kind: str = "none"
+    """A registered fault kind (``stabilize.faults.fault_kinds()``); ``none``: no fault."""
+    step: int = 100
+    """The model step it fires at (drift: where it starts)."""
+    rank: int | None = None
+    """The rank it fires on; None: every rank."""
+    persistent: bool = False
+    """True: fires again each time the model reaches ``step`` (a deterministic bug, recurs
+    after a rollback); False: once per run (a transient fault)."""
+    factor: float = 100.0
+    """grad_spike: gradients multiplied by this."""
+    param: str | None = None
+    """inf_grad: the parameter whose gradient turns inf (None: the first one)."""
+    layer: int = 0
+    """activation_drift: the block whose output drifts."""
+    target: float = 1e4
+    """activation_drift: the |x| max to reach ..."""
+    target_step: int | None = 150
+    """... at this step, or (None) at the rate ``cross_step`` sets."""
+    cross_step: int | None = None
+    """activation_drift: |x| max first passes ``cross`` at this step (the rate follows)."""
+    cross: float = 256.0
+    """The line ``cross_step`` refers to (256: the first fp16 square that is inf)."""
+    channels: int | None = None
+    """activation_drift: drift only the first k channels, an outlier feature (None: all)."""
+    keep_growing: bool = False
+    """activation_drift past the target: hold (False) or keep the rate (True)."""
+
+    def __post_init__(self):
+        cls = fault_class(self.kind)  # an unknown kind fails with the registered ones
+        # every key is checked whatever the kind: the group's YAMLs carry them all
+        check_positive("fault.step", self.step, integer=True)
+        check_positive("fault.factor", self.factor)
+        check_positive("fault.target", self.target)
+        check_positive("fault.cross", self.cross)
+        if self.channels is not None:
+            check_positive("fault.channels", self.channels, integer=True)
+        cls.validate(self)

@@ -1,0 +1,70 @@
+"""The no-fault and the point faults: each corrupts one step's loss or gradients.
+
+A point fault fires at ``fault.step`` (``PointFault.fires``: its rank, once per run unless
+persistent); the monitors must see it at that step and roll it back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from stabilize.faults.base import Fault, PointFault, register_fault
+
+
+@register_fault
+class NoFault(Fault):
+    """``fault=none``: every hook a no-op (the default of every run)."""
+
+    kind = "none"
+
+
+@register_fault
+class NanLoss(PointFault):
+    """The loss of the step turns NaN (so do all its gradients): the ``nonfinite`` monitor's
+    case."""
+
+    kind = "nan_loss"
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if self.fires(step) else loss
+
+
+@register_fault
+class InfGrad(PointFault):
+    """One element of one parameter's gradient (``fault.param``, default the first
+    parameter) turns inf: a corrupted gradient the loss does not show."""
+
+    kind = "inf_grad"
+
+    def arm(self, step: int, model: nn.Module) -> list[RemovableHandle]:
+        if not self.fires(step):
+            return []
+        params = dict(model.named_parameters())
+        name = self.cfg.param or next(iter(params))
+        if name not in params:
+            raise ValueError(
+                f"fault.param={name!r} is not a parameter; allowed: {list(params)[:8]} ..."
+            )
+
+        def poison(g):
+            g = g.clone()
+            g.view(-1)[0] = float("inf")
+            return g
+
+        return [params[name].register_hook(poison)]
+
+
+@register_fault
+class GradSpike(PointFault):
+    """Every gradient of the step is multiplied by ``fault.factor``: the ``grad_spike``
+    monitor's case (finite, just far too large)."""
+
+    kind = "grad_spike"
+
+    def arm(self, step: int, model: nn.Module) -> list[RemovableHandle]:
+        if not self.fires(step):
+            return []
+        factor = self.cfg.factor
+        return [p.register_hook(lambda g: g * factor) for p in model.parameters()]
