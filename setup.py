@@ -4,7 +4,7 @@ Why a setup.py: Hydra's configs stay at the top of the repo (``configs/``, where
 scripts and the tests read them), and a wheel must carry them too, or ``stabilize-train``
 from a ``pip install .`` fails with "Primary config directory not found". So ``configs/`` is
 mapped to the data-only package ``stabilize.configs`` (``stabilize/configs/`` once
-installed), which ``stabilize.train`` finds next to itself. pyproject.toml's package
+installed), which ``stabilize.paths.config_dir`` finds. pyproject.toml's package
 discovery cannot add a package that lives outside its directory tree; ``find_namespace_packages``
 here is what its ``[tool.setuptools.packages.find] include = ["stabilize*"]`` did.
 """

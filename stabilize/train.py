@@ -30,19 +30,7 @@ from stabilize.lit.checkpoint import resolve_resume
 from stabilize.lit.config import RunConfig
 from stabilize.lit.module import GPTLitModule
 from stabilize.lit.stability import StabilityAbort
-
-
-def config_dir() -> Path:
-    """Where Hydra's primary config (train.yaml) is: ``$STABILIZE_CONFIG_DIR`` if set, else the
-    copy an installed wheel carries next to this file (setup.py ships the repo's ``configs/``
-    as ``stabilize/configs/``), else the checkout's (a repo on PYTHONPATH, or ``pip install
-    -e .``)."""
-    if env := os.environ.get("STABILIZE_CONFIG_DIR"):
-        return Path(env)
-    package = Path(__file__).resolve().parent
-    bundled = package / "configs"
-    return bundled if (bundled / "train.yaml").is_file() else package.parent / "configs"
-
+from stabilize.paths import config_dir
 
 CONFIG_DIR = config_dir()
 

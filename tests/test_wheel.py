@@ -141,9 +141,15 @@ def test_stabilize_train_help_and_two_steps_from_outside_the_repo(venv):
     assert [Path(s["path"]) for s in main] == [venv.site / "stabilize" / "configs"]
 
 
+def test_stabilize_plan_composes_the_installed_configs(venv):
+    exe = venv.python.parent / "stabilize-plan"
+    out = venv.run(exe, "model=gpt-125m", "plan.gpu=h100-80gb").stdout
+    assert out.startswith("stabilize-plan: gpt-125m (") and "per GPU" in out
+
+
 def test_config_dir_is_the_override_else_the_checkouts(monkeypatch, tmp_path):
     """The third place, the installed copy, is what the venv tests above check."""
-    from stabilize.train import config_dir
+    from stabilize.paths import config_dir
 
     monkeypatch.setenv("STABILIZE_CONFIG_DIR", str(tmp_path))
     assert config_dir() == tmp_path

@@ -9,11 +9,10 @@ with the same message, then prints per-GPU memory, per-node host memory and disk
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 from stabilize.lit.config import RunConfig
+from stabilize.paths import config_dir
 from stabilize.plan.hardware import GB, PlanConfig, parse_plan_overrides
 from stabilize.plan.memory import PARAM_BYTES, activations, model_state
 from stabilize.plan.storage import storage
@@ -28,12 +27,6 @@ trainer.strategy=fsdp rollback.keep=3 ...), plus the planner's own:
   plan.disk_gbps=2.0       durable-write bandwidth of the run directory, GB/s
   plan.reserve_gb=2.0      per GPU: CUDA context, workspaces, fragmentation
 Sizes are decimal GB (1e9 bytes). docs/memory.md explains every line."""
-
-
-def config_dir() -> Path:
-    """The configs stabilize-train composes (same rule as stabilize/train.py)."""
-    default = Path(__file__).resolve().parents[2] / "configs"
-    return Path(os.environ.get("STABILIZE_CONFIG_DIR", default))
 
 
 def compose_run(overrides: list[str]) -> RunConfig:
