@@ -17,6 +17,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 from matplotlib.colors import to_hex
+from test_scenario import SHORT as SCENARIO
 
 from stabilize.report import chain, load_run_dir, main, summarize
 from stabilize.report.axis import model_steps, pieces, rewinds
@@ -35,19 +36,18 @@ from stabilize.train import run
 from conftest import FAST, ROOT, compose_run, run_cli
 
 CROSS, START, STEPS = 14, 6, 24
-SHORT = [
-    "experiment=nan_repro",
-    f"trainer.max_steps={STEPS}",
-    f"fault.step={START}",
-    f"fault.cross_step={CROSS}",
-    "trainer.log_every_n_steps=1",
-    f"trainer.val_check_interval={STEPS}",
-    "trainer.limit_val_batches=1",
-    f"trainer.checkpoint_every_n_steps={STEPS}",
-    "trainer.progress=none",
-    "audit.every=6",
-    "data.batch_size=4",
-]
+# test_scenario's short scenario, shorter still
+CHANGED = {
+    "trainer.max_steps": STEPS,
+    "fault.step": START,
+    "fault.cross_step": CROSS,
+    "trainer.val_check_interval": STEPS,
+    "trainer.limit_val_batches": 1,
+    "trainer.checkpoint_every_n_steps": STEPS,
+    "audit.every": 6,
+}
+SHORT = [o for o in SCENARIO if o.split("=")[0] not in CHANGED]
+SHORT += [f"{k}={v}" for k, v in CHANGED.items()]
 
 
 @pytest.fixture(scope="module")

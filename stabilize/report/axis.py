@@ -132,7 +132,3 @@ def pieces(run: Run, key: str) -> list[Piece]:
             out.append(Piece([s for s, _ in anchor + lost], [v for _, v in anchor + lost], True))
     return [Piece([s for s, _ in kept], [v for _, v in kept], False), *out]
 
-
-def at_model_step(run: Run, x: float) -> int | None:
-    """The model step of one global step (an event's ``global_step``)."""
-    return model_steps(run).get(x)
