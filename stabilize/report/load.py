@@ -9,7 +9,8 @@
   (``exact_events`` is False and the report marks those cells with ``~``).
 
 Every source yields the same ``Run``: x is the optimizer step taken (monotonic, counting
-rolled-back steps too), as W&B and the CSV log count it.
+rolled-back steps too), as W&B and the CSV log count it; ``report/axis.py`` maps it to the
+model's own step, the one axis the report shows.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class Run:
     diagnosis: dict[str, Any] | None = None
     exact_events: bool = True
     source: str = ""
+    # the command-line overrides Hydra recorded (.hydra/overrides.yaml); None when the run
+    # was composed in code or read from W&B (the report then compares configs instead)
+    overrides: list[str] | None = None
 
     def series(self, key: str) -> list[tuple[float, float]]:
         """[(x, value)] of one metric, in logging order."""
@@ -100,6 +104,17 @@ def _arm(config: dict[str, Any], fallback: str) -> str:
     return str(config.get("arm") or fallback)
 
 
+def _overrides(run_dir: Path) -> list[str] | None:
+    """What the user typed for this run (a sweep member: its one value of each swept key)."""
+    f = run_dir / ".hydra" / "overrides.yaml"
+    if not f.exists():
+        return None
+    import yaml
+
+    data = yaml.safe_load(f.read_text()) or []
+    return [str(o) for o in data] if isinstance(data, list) else None
+
+
 def load_run_dir(path: str | Path) -> Run:
     """One local run directory (as stabilize-train writes it)."""
     d = Path(path)
@@ -134,6 +149,7 @@ def load_run_dir(path: str | Path) -> Run:
         status=status,
         diagnosis=json.loads(diag.read_text()) if diag.exists() else None,
         source=f"{source}: {d}",
+        overrides=_overrides(d),
     )
 
 
