@@ -203,3 +203,28 @@ def test_the_ladder_follows_the_remedy_registry(tmp_path, large_eps):
         compose_run(tmp_path, [*BASE, "rollback.ladder=[nope]"])
     with pytest.raises(ValueError, match="'large_eps'"):
         compose_run(tmp_path, [*BASE, "rollback.ladder=[nope]"])
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_the_probe_measures_what_a_monitor_declares_on_every_step(tmp_path, declared):
+    """The attention-logit bound is measured on log steps only, unless a monitor declares
+    it among its needs: then on every step (without the declaration it reads zeros)."""
+    seen: list[dict[str, float]] = []
+
+    class AttnWatch(LossCeiling):
+        needs = ("attn_logit",) if declared else ("loss",)
+
+        def update(self, stats):
+            seen.append(dict(stats.attn_logit))
+            return []
+
+    register_monitor("attn_watch", LossCeilingConfig, AttnWatch)
+    try:
+        over = ["trainer.max_steps=6", "trainer.log_every_n_steps=4"]
+        run(compose_run(tmp_path, [*BASE, *over]))
+    finally:
+        unregister_monitor("attn_watch")
+    assert len(seen) == 6 and all(seen)
+    measured = [all(v > 0 for v in s.values()) for s in seen]
+    # Lightning's step 4 is logged: the probe measured the bound on the 4th step either way
+    assert measured == ([True] * 6 if declared else [False, False, False, True, False, False])

@@ -39,6 +39,8 @@ class StabilityCallback(L.Callback):
         self.run_dir = Path(run_dir)
         self.accumulate = accumulate
         self.suite = MonitorSuite(monitor)
+        # a monitor that reads a log-step-only series gets it on every step
+        self._detailed_always = bool(self.suite.needs & StabilityProbe.DETAILED_ONLY)
         self.sink = EventSink(run_dir)
         self.controller = RollbackController(rollback, run_dir, self.suite, self.sink)
         self.gather = StepGather(accumulate)
@@ -106,7 +108,8 @@ class StabilityCallback(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if pl_module.data_step % self.accumulate == 0 and self.probe is not None:
             # this step is logged iff Lightning's step after it is a multiple of the interval
-            detailed = (trainer.global_step + 1) % trainer.log_every_n_steps == 0
+            logged = (trainer.global_step + 1) % trainer.log_every_n_steps == 0
+            detailed = logged or self._detailed_always
             self.probe.reset(detailed=detailed, device=pl_module.device)
         self._batch = batch
 
