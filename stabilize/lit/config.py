@@ -157,12 +157,13 @@ class RunConfig:
             ("precision", PrecisionConfig),
             ("trainer", TrainerConfig),
             ("logger", LoggerConfig),
-            ("monitor", MonitorConfig),
             ("rollback", RollbackConfig),
             ("fault", FaultConfig),
             ("audit", AuditConfig),
         ):
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
+        # one section per registered monitor (stabilize/monitors/registry.py), not a dataclass
+        self.monitor = MonitorConfig.build(self.monitor, "monitor")
 
         if self.rollback.enabled and self.optim.accumulate_grad_batches > 1:
             raise ValueError(
@@ -209,4 +210,5 @@ class RunConfig:
         """The full resolved config, ``norm`` at the top level again (for loggers)."""
         d = asdict(self)
         d["norm"] = d["model"].pop("norm")
+        d["monitor"] = self.monitor.to_dict()
         return d

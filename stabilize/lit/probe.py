@@ -30,6 +30,10 @@ from stabilize.norms import Norm
 
 
 class StabilityProbe:
+    # Series measured on detailed steps only (``reset(detailed=...)``): the log steps, or
+    # every step when a monitor declares it among its ``needs``.
+    DETAILED_ONLY = frozenset({"attn_logit"})
+
     def __init__(self, model: nn.Module, lead: int = 0):
         self.model = model
         self.lead = lead
