@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from stabilize.cpu_kernels import absmax_into
-from stabilize.norms import Norm
+from stabilize.norms import Norm, get_norm_type
 
 
 class StabilityProbe:
@@ -148,7 +148,8 @@ class StabilityProbe:
         with torch.no_grad():
             rowmax = torch.maximum(x.amax(-1), -x.amin(-1))  # [...]; NaN propagates
             bad = torch.isinf(ms.squeeze(-1))
-            mean_sq = ms.float().amax() / (x.shape[-1] if kind == "scalenorm" else 1)
+            # the type says how its statistic reads as a mean square (ScaleNorm's is a sum)
+            mean_sq = get_norm_type(kind).mean_square(ms.float().amax(), x.shape[-1])
             for k, v in (
                 (self._o_norm + j, rowmax.amax().float()),
                 (self._o_rms + j, mean_sq.sqrt()),
