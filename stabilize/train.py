@@ -159,10 +159,9 @@ class RunDirGuard(Callback):
     as it was. ``run()`` claims it again for callers without Hydra (a no-op after this)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        node = config._get_node("run_dir")
-        raw = node._value() if node is not None else None
+        raw = OmegaConf.to_container(config, resolve=False).get("run_dir")
         # run_dir defaults to ${hydra:runtime.output_dir}, which Hydra fills in only later
-        default = raw is None or (isinstance(raw, str) and "hydra:runtime" in raw)
+        default = raw is None or "hydra:runtime" in str(raw)
         run_dir = config.hydra.run.dir if default else config.run_dir
         try:
             moved = claim(run_dir, str(config.resume))
