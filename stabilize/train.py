@@ -23,12 +23,14 @@ from typing import Any
 
 import hydra
 import lightning as L
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from stabilize.lit.build import build_trainer
-from stabilize.lit.checkpoint import resolve_resume
+from stabilize.lit.checkpoint import checkpoint_steps, resolve_resume
 from stabilize.lit.config import RunConfig
 from stabilize.lit.module import GPTLitModule
+from stabilize.lit.rundir import RunDirError, already_finished, claim
 from stabilize.lit.stability import StabilityAbort
 from stabilize.paths import config_dir
 
@@ -75,14 +77,37 @@ def _sweep_group() -> str | None:
 def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says (plus any extra Lightning callbacks); returns the final
     metrics (floats) and where things are."""
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = Path(cfg.run_dir)
+    # Everything about the run dir is settled before anything is written to it: a fresh
+    # start refused or moved aside (lit/rundir.py), the checkpoint verified (or the newest
+    # intact one chosen), a finished run left alone.
+    moved = claim(run_dir, cfg.resume)
+    if moved:
+        print(moved, file=sys.stderr, flush=True)
+    t = cfg.trainer
+    try:
+        ckpt = resolve_resume(cfg.resume, run_dir)
+        done = ckpt and already_finished(run_dir, ckpt, t.max_steps, t.stop_at_step)
+    except ValueError as e:  # no intact checkpoint, not a checkpoint: one line, exit 2
+        raise RunDirError(str(e)) from None
+    if done:
+        if _rank() == 0:
+            print(done, flush=True)
+        step, global_step = checkpoint_steps(ckpt)
+        return {
+            "metrics": {},
+            "run_dir": str(run_dir),
+            "model_step": step,
+            "global_step": global_step,
+            "resumed_from": ckpt,
+            "nothing_to_train": True,
+        }
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir.mkdir(parents=True, exist_ok=True)
     if _rank() == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     module = GPTLitModule(cfg)
     trainer = build_trainer(cfg, list(callbacks))
-    ckpt = resolve_resume(cfg.resume, run_dir)
     try:
         if trainer.is_global_zero and trainer.loggers:
             for lg in trainer.loggers:
@@ -127,6 +152,25 @@ def _finish_wandb(trainer: L.Trainer) -> None:
             lg.experiment.finish()
 
 
+class RunDirGuard(Callback):
+    """Hydra callback (configs/train.yaml ``hydra.callbacks``): claims the run dir before
+    Hydra writes its ``.hydra/`` files into it, so a refused launch leaves the dir exactly
+    as it was. ``run()`` claims it again for callers without Hydra (a no-op after this)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        raw = OmegaConf.to_container(config, resolve=False).get("run_dir")
+        # run_dir defaults to ${hydra:runtime.output_dir}, which Hydra fills in only later
+        default = raw is None or "hydra:runtime" in str(raw)
+        run_dir = config.hydra.run.dir if default else config.run_dir
+        try:
+            moved = claim(run_dir, str(config.resume))
+        except RunDirError as e:  # Hydra turns a callback's exception into a warning
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if moved:
+            print(moved, file=sys.stderr, flush=True)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     values = OmegaConf.to_container(cfg, resolve=True)
@@ -136,6 +180,9 @@ def main(cfg: DictConfig) -> float | None:
     run_cfg = RunConfig.from_dict(values)
     try:
         result = run(run_cfg)
+    except RunDirError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except StabilityAbort as e:
         if _rank() == 0:
             print(
@@ -145,7 +192,7 @@ def main(cfg: DictConfig) -> float | None:
             )
         sys.exit(3)
     m = result["metrics"]
-    if _rank() == 0:
+    if _rank() == 0 and not result.get("nothing_to_train"):
         summary = ", ".join(
             f"{k} {m[k]:.4f}" for k in ("train/loss", "val/loss", "val/bpb") if k in m
         )

@@ -136,7 +136,7 @@ class RunConfig:
     name: str = "default"  # the experiment's name
     arm: str | None = None  # a scenario's variant (configs/arm/), for reports and W&B
     run_dir: str = "runs/default"
-    resume: str = "none"  # none | auto (the run dir's last.ckpt, if any) | a checkpoint path
+    resume: str = "none"  # none | auto (newest intact checkpoint) | restart | a .ckpt path
     seed: int = 1234
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
