@@ -26,7 +26,9 @@ from typing import Any, NoReturn
 
 import hydra
 import lightning as L
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from stabilize.exits import EXIT_ABORT, EXIT_CONFIG, EXIT_CRASH, file_error, one_line
 from stabilize.lit.build import build_trainer
@@ -138,11 +140,14 @@ def _finish_wandb(trainer: L.Trainer) -> None:
 def _app(cfg: DictConfig) -> float | None:
     """One run (or one member of a ``-m`` sweep). A config error, a stability abort and a
     file error end it here with one line and their exit code (``stabilize/exits.py``)."""
-    values = OmegaConf.to_container(cfg, resolve=True)
     group = _sweep_group()
-    if group and not values["logger"].get("group"):
-        values["logger"]["group"] = group
     try:
+        try:
+            values = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve
+            raise ConfigError(str(e)) from e
+        if group and not values["logger"].get("group"):
+            values["logger"]["group"] = group
         result = run(build_config(values))  # run() checks the rest before it writes
     except ConfigError as e:
         _discard_hydra_output()
@@ -221,9 +226,6 @@ def _discard_hydra_output() -> None:
 def main() -> None:
     """``stabilize-train``: Hydra's app, with Hydra's own errors (an unknown group or key, a
     bad override) on one line and exit code 2 instead of its multi-line report."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     # Hydra re-raises instead of printing its own report (and its stripped traceback of a
     # genuine bug: that one now gets Python's full traceback).
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
@@ -234,6 +236,8 @@ def main() -> None:
         if isinstance(e.__cause__, OmegaConfBaseException) and str(e.__cause__) not in msg:
             msg += "\n" + str(e.__cause__)
         _fail(EXIT_CONFIG, one_line(msg), every_rank=True)
+    except OSError as e:  # before the app ran: Hydra could not make the run dir
+        _fail(EXIT_CONFIG, f"the run dir cannot be made: {file_error(e)}", every_rank=True)
 
 
 if __name__ == "__main__":

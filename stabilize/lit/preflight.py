@@ -113,7 +113,7 @@ def check_data(cfg: RunConfig, world: int) -> None:
                 f"data.paths={cfg.data.paths!r} is not allowed: {p!r} is empty; allowed: "
                 "files with at least one document"
             )
-    with config_errors():
+    with config_errors(), _quiet_datasets():
         tokenizer = build_tokenizer(cfg.tokenizer_name())
         check_vocab(cfg.model.vocab_size, tokenizer.vocab_size, cfg.tokenizer_name())
         build_dataloaders(
@@ -125,6 +125,20 @@ def check_data(cfg: RunConfig, world: int) -> None:
             val_batches=cfg.trainer.limit_val_batches,
             tokenizer=tokenizer,
         )
+
+
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No datasets progress bars on stderr from the check (an error must stay one line)."""
+    from datasets.utils import logging as ds_logging
+
+    was_on = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            ds_logging.enable_progress_bar()
 
 
 def check_resume(resume: str) -> None:

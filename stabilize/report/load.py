@@ -66,6 +66,17 @@ def _num(v: Any) -> float | None:
         return None
 
 
+MAX_WARNINGS_PER_FILE = 5  # then one line counts the rest: a garbled file does not flood
+
+
+def _warn_lines(warnings: list[str], path: Path, bad: list[tuple[int, str]]) -> None:
+    """``path:line: problem`` for the first few bad lines of a file, then a count."""
+    for line, problem in bad[:MAX_WARNINGS_PER_FILE]:
+        warnings.append(f"{path}:{line}: {problem}; line skipped")
+    if len(bad) > MAX_WARNINGS_PER_FILE:
+        warnings.append(f"{path}: {len(bad) - MAX_WARNINGS_PER_FILE} more bad lines skipped")
+
+
 def _jsonl(path: Path, warnings: list[str], required: tuple[str, ...]) -> list[dict[str, Any]]:
     """The records of a .jsonl file; a line that is not a JSON object with the ``required``
     keys (a step that is a number) is skipped with a warning naming the file and line."""
@@ -76,27 +87,25 @@ def _jsonl(path: Path, warnings: list[str], required: tuple[str, ...]) -> list[d
     except OSError as e:
         warnings.append(f"{path}: unreadable ({e.strerror or e}); skipped")
         return []
-    out = []
+    out, bad = [], []
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:  # e.g. a line cut by a crash: the rest still counts
-            warnings.append(f"{path}:{i}: not JSON ({e.msg}); line skipped")
+            bad.append((i, f"not JSON ({e.msg})"))
             continue
         missing = [k for k in required if not isinstance(rec, dict) or k not in rec]
         if missing:
-            what = f"no {missing!r}" if isinstance(rec, dict) else "not a JSON object"
-            warnings.append(f"{path}:{i}: {what}; line skipped")
-            continue
-        if "step" in required and _num(rec["step"]) is None:
-            warnings.append(f"{path}:{i}: step={rec['step']!r} is not a number; line skipped")
-            continue
-        if not isinstance(rec.get("extra") or {}, dict):
-            warnings.append(f"{path}:{i}: extra={rec['extra']!r} is not an object; line skipped")
-            continue
-        out.append(rec)
+            bad.append((i, f"no {missing!r}" if isinstance(rec, dict) else "not a JSON object"))
+        elif "step" in required and _num(rec["step"]) is None:
+            bad.append((i, f"step={rec['step']!r} is not a number"))
+        elif not isinstance(rec.get("extra") or {}, dict):
+            bad.append((i, f"extra={rec['extra']!r} is not an object"))
+        else:
+            out.append(rec)
+    _warn_lines(warnings, path, bad)
     return out
 
 
@@ -117,26 +126,31 @@ def _version(p: Path) -> int:
 
 
 def _csv_rows(run_dir: Path, warnings: list[str]) -> list[dict[str, float]]:
-    """Every launch's metrics.csv, in order; an unreadable file is skipped with a warning
-    (the rows read before the damage are kept)."""
+    """Every launch's metrics.csv, in order. A row with undecodable bytes is skipped with a
+    warning naming the file and line; a file the csv reader gives up on keeps the rows read
+    before the damage."""
     rows = []
     for v in sorted((run_dir / "csv").glob("version_*"), key=_version):
         f = v / "metrics.csv"
         if not f.exists():
             continue
-        line = 1
+        bad: list[tuple[int, str]] = []
         try:
-            with open(f, newline="") as fh:
+            with open(f, newline="", errors="replace") as fh:
                 reader = csv.DictReader(fh)
                 for row in reader:
-                    line = reader.line_num
+                    cells = [*row.values(), *(row.get(None) or [])]
+                    if any(isinstance(c, str) and "\ufffd" in c for c in cells):
+                        bad.append((reader.line_num, "undecodable bytes"))
+                        continue
                     r = {k: x for k, x in ((k, _num(x)) for k, x in row.items()) if x is not None}
                     if "step" in r:
                         # Lightning logs at the step count before this step's increment
                         r["x"] = r["step"] + 1
                         rows.append(r)
-        except (OSError, UnicodeDecodeError, csv.Error) as e:
-            warnings.append(f"{f}:{line}: unreadable ({e}); the rest of the file skipped")
+        except (OSError, csv.Error) as e:
+            warnings.append(f"{f}: unreadable ({e}); the rest of the file skipped")
+        _warn_lines(warnings, f, bad)
     return rows
 
 
