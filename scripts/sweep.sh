@@ -7,6 +7,7 @@
 #
 # Each member gets runs/<group>/<index>, and all members share one W&B group; stabilize-report
 # names them by the swept key=value pairs. --dry-run prints the members and launches nothing.
+# Exit code: the worst member's (a crash > 3 stability abort > 2 config error > 0 done).
 # Python: $PYTHON if set, else the one beside the installed stabilize-train, else the repo's .venv.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -16,7 +17,7 @@ while [[ $# -gt 0 ]]; do
     --nproc-per-node) nprocs="$2"; shift 2 ;;
     --group) group="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) break ;;
   esac
@@ -41,11 +42,18 @@ mapfile -t members <<< "$lines"
 
 echo "sweep $group: ${#members[@]} members" >&2
 if [[ $dry -eq 1 ]]; then printf '%s\n' "${members[@]}"; exit 0; fi
+# The sweep's exit code is its worst member's: a crash (any other code) > 3 (a stability
+# abort) > 2 (a config error) > 0 (stabilize/exits.py).
+severity() { case "$1" in 0) echo 0 ;; 2) echo 1 ;; 3) echo 2 ;; *) echo 3 ;; esac; }
+meaning() { case "$1" in 0) echo done ;; 2) echo "config error" ;; 3) echo aborted ;; *) echo crashed ;; esac; }
 status=0
 for i in "${!members[@]}"; do
   eval "overrides=(${members[$i]})"  # safe: every word was quoted by shlex.quote
   echo "[$((i + 1))/${#members[@]}] ${members[$i]}" >&2
+  rc=0
   STABILIZE_RUN_DIR="runs/$group/$i" "$here/launch.sh" --nproc-per-node "$nprocs" \
-    --run-id "$group-$i" -- "${overrides[@]}" "logger.group=$group" || status=$?
+    --run-id "$group-$i" -- "${overrides[@]}" "logger.group=$group" || rc=$?
+  echo "    member $i: $(meaning "$rc") (exit $rc)" >&2
+  if [[ $(severity "$rc") -gt $(severity "$status") ]]; then status=$rc; fi
 done
 exit $status

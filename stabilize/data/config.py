@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stabilize.validate import check_choice, check_positive, check_range
+from stabilize.validate import ConfigError, check_choice, check_positive, check_range
 
 SOURCES = ("embedded", "local", "hub")
 # File suffix -> the datasets packaged builder that reads it.
@@ -66,9 +66,14 @@ class DataConfig:
                 f"data.paths={self.paths!r} is not allowed with data.source={self.source!r}; "
                 "allowed: [] (paths are read only with data.source='local')"
             )
-        if (self.source == "hub") != (isinstance(self.name, str) and bool(self.name)):
+        # '???' is Hydra's "must be given" marker (configs/data/hub.yaml): not a name to fetch
+        named = isinstance(self.name, str) and self.name not in ("", "???")
+        if (self.source == "hub") != named:
             allowed = "a dataset name or directory" if self.source == "hub" else "None (hub only)"
-            raise ValueError(f"data.name={self.name!r} is not allowed; allowed: {allowed}")
+            raise ConfigError(
+                f"data.name={self.name!r} is not allowed with data.source={self.source!r}; "
+                f"allowed: {allowed}"
+            )
         for key in ("split", "text_field"):
             value = getattr(self, key)
             if not isinstance(value, str) or not value:

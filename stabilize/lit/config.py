@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stabilize.data import DataConfig
+from stabilize.data import DEFAULT_TOKENIZER, TOKENIZERS, DataConfig
 from stabilize.faults import FaultConfig
 from stabilize.model import GPTConfig
 from stabilize.monitors import MonitorConfig
 from stabilize.norms import NormConfig
 from stabilize.rollback import RollbackConfig
 from stabilize.validate import (
+    ConfigError,
     build_dataclass,
     check_choice,
     check_positive,
@@ -131,6 +132,15 @@ class AuditConfig:
         check_positive("audit.batches", self.batches, integer=True)
 
 
+def check_vocab(vocab_size: int, tokenizer_vocab: int, tokenizer: str) -> None:
+    """``model.vocab_size`` holds every id of the tokenizer (ids 0 .. tokenizer_vocab - 1)."""
+    if vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is not allowed with the {tokenizer!r} tokenizer "
+            f"(ids 0 .. {tokenizer_vocab - 1}); allowed: >= {tokenizer_vocab}"
+        )
+
+
 @dataclass
 class RunConfig:
     name: str = "default"  # the experiment's name
@@ -166,30 +176,58 @@ class RunConfig:
         self.monitor = MonitorConfig.build(self.monitor, "monitor")
 
         if self.rollback.enabled and self.optim.accumulate_grad_batches > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"optim.accumulate_grad_batches={self.optim.accumulate_grad_batches} is not "
                 f"allowed with rollback.enabled=true yet (a rollback mid-window would misalign "
                 f"the accumulation windows); allowed: 1, or rollback=off"
             )
         if self.fault.kind == "activation_drift" and not 0 <= self.fault.layer < self.model.n_layer:
-            raise ValueError(
+            raise ConfigError(
                 f"fault.layer={self.fault.layer} is not allowed with model.n_layer="
                 f"{self.model.n_layer}; allowed: 0 .. {self.model.n_layer - 1}"
             )
         if self.trainer.compile and self.fault.kind == "activation_drift":
-            raise ValueError(
+            raise ConfigError(
                 "trainer.compile=true is not allowed with fault.kind='activation_drift' (its "
                 "factor changes every step and would recompile the model every step)"
             )
         red = self.model.norm.reduction_dtype
         sixteen = red in ("bf16", "fp16") or (red == "input" and self.precision.name == "bf16-true")
         if self.trainer.compile and sixteen:
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.compile=true is not allowed with norm.reduction_dtype={red!r} "
                 f"(precision={self.precision.name!r}): inductor computes 16-bit math in fp32, "
                 f"so the reduction would silently not be 16-bit; allowed with compile: "
                 f"['fp32', 'input' with fp32 activations]"
             )
+        self._check_fault_fires()
+        self._check_vocab()
+
+    def _check_fault_fires(self) -> None:
+        """A fault drill that cannot fire is refused, not silently skipped (issue 12, item 5):
+        its step must be one the run reaches. (The rank is checked against the world size
+        at start-up, ``lit/preflight.py``; the parameter against the model's names there.)"""
+        if self.fault.kind != "none" and self.fault.step > self.trainer.max_steps:
+            raise ConfigError(
+                f"fault.step={self.fault.step} is not allowed with trainer.max_steps="
+                f"{self.trainer.max_steps} (the fault would never fire); allowed: 1 .. "
+                f"{self.trainer.max_steps}"
+            )
+
+    def tokenizer_name(self) -> str:
+        """The tokenizer the data pipeline encodes with (a ``data.tokenizer`` setting, when
+        the data config has one; the byte tokenizer otherwise)."""
+        return getattr(self.data, "tokenizer", None) or DEFAULT_TOKENIZER
+
+    def _check_vocab(self) -> None:
+        """Every token id must be an embedding row: ``model.vocab_size`` >= the tokenizer's
+        vocabulary (else an IndexError at the first forward). Known here for a tokenizer
+        whose class states its ``vocab_size``; one read from files is checked at start-up
+        (``lit/preflight.py``) with the same wording (``check_vocab``)."""
+        factory = TOKENIZERS.get(self.tokenizer_name())
+        need = getattr(factory, "vocab_size", None)
+        if isinstance(need, int):
+            check_vocab(self.model.vocab_size, need, self.tokenizer_name())
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
@@ -199,7 +237,7 @@ class RunConfig:
         allowed = list(cls.__dataclass_fields__) + ["norm"]
         unknown = sorted(set(values) - set(allowed))
         if unknown:
-            raise ValueError(f"{unknown[0]} is not a known setting; allowed: {allowed}")
+            raise ConfigError(f"{unknown[0]} is not a known setting; allowed: {allowed}")
         if "norm" in values:
             model = dict(values.get("model") or {})
             model["norm"] = build_dataclass(NormConfig, values.pop("norm"), "norm")

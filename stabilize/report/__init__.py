@@ -94,6 +94,9 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
             "- (no run had anything to conclude from)"
         ]
         lines += [""]
+    unreadable = [w for r in runs for w in r.warnings]
+    if unreadable:  # what was skipped, by file and line: the rest is reported above and below
+        lines += ["## Warnings", "", *(f"- {w}" for w in unreadable), ""]
     lines += ["## Plots", ""]
     lines += [
         "x: the model step. Solid: the trajectory the run kept; faded, ending in `x`: an "
@@ -150,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             out = out / "report"
     else:
         out = Path("reports") / a.group
+    for r in runs:
+        for w in r.warnings:
+            print(f"stabilize-report: warning: {w}", file=sys.stderr)
     report = write_report(runs, out, a.title)
     print(f"report: {report}")
     return 0

@@ -131,4 +131,3 @@ def pieces(run: Run, key: str) -> list[Piece]:
             anchor = [p for p in kept if p[0] <= limit][-1:]  # start at the restored step
             out.append(Piece([s for s, _ in anchor + lost], [v for _, v in anchor + lost], True))
     return [Piece([s for s, _ in kept], [v for _, v in kept], False), *out]
-
