@@ -76,7 +76,7 @@ from pathlib import Path
 from benchlib import CONFIGS as BASE_CONFIGS  # (sets the offline environment)
 from benchlib import add_run_args, compose_cfg, prepare, run_overrides, train_with
 from benchstats import block_overhead, window_blocks
-from monitor_clock import BenchClock
+from monitor_clock import PARTS, BenchClock
 from monitor_report import report
 from monitor_toggle import toggle_bench
 
@@ -91,7 +91,6 @@ ARMS = {
     "off": ["monitor=off", "rollback=off"],
     "on": ["monitor=default", "rollback=default"],
 }
-PARTS = ("gather", "monitors", "log_stats", "snapshot")
 
 
 def one_run(cfg: RunConfig, args, scratch: Path) -> tuple[BenchClock, float]:

@@ -23,6 +23,15 @@ from stabilize.lit.stability import StabilityCallback
 from stabilize.monitors import ROLLBACK, Event
 from stabilize.rollback import save_durable
 
+# the parts timed in the window -> their column in the report; each is wrapped in
+# BenchClock.on_train_start (a new part: one entry here, one _wrap there)
+PARTS = {
+    "gather": "gather",
+    "monitors": "monitors",
+    "log_stats": "log_stats",
+    "snapshot": "snapshots",
+}
+
 
 def nbytes(obj) -> int:
     """Bytes held by the tensors in a nest of dicts, lists and tuples."""

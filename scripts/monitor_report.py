@@ -13,6 +13,7 @@ import statistics
 
 import torch
 from benchstats import BLOCK, print_table, quartiles, span
+from monitor_clock import PARTS
 
 OVERHEAD_MAX = 0.03  # on/off - 1
 RESTORE_MAX = 1.0  # steps
@@ -58,8 +59,7 @@ def _cost_tables(results: list[dict], args) -> None:
         "\nWhere the on-arm's extra time goes, ms per step in the window (median over runs, "
         "% of the off step); rest = CPU overhead - parts:\n"
     )
-    head = ["config", "CPU overhead", "gather", "monitors", "log_stats", "snapshots"]
-    head.append("rest (hooks, norm stats, loggers)")
+    head = ["config", "CPU overhead", *PARTS.values(), "rest (hooks, norm stats, loggers)"]
     rows = []
     for res in results:
         p, base = res["parts"], statistics.median(res["cpu"]["off"])
