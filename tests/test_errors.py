@@ -150,7 +150,9 @@ def test_a_dir_holding_a_run_keeps_its_files_on_a_config_error(tmp_path, monkeyp
     (run / "config.json").write_text("{}")
     (run / "csv" / "version_0" / "metrics.csv").write_text("step\n1\n")
     before = tree(run)
-    code, err = cli([*BASE, "optim.lr=inf", f"hydra.run.dir={run}"], tmp_path, monkeypatch, capsys)
+    # resume=auto: a fresh launch here would be refused first (the run dir's identity)
+    args = [*BASE, "optim.lr=inf", "resume=auto", f"hydra.run.dir={run}"]
+    code, err = cli(args, tmp_path, monkeypatch, capsys)
     assert code == 2 and "optim.lr=inf" in one_message(err)
     after = tree(run)
 

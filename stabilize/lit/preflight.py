@@ -34,7 +34,9 @@ from stabilize.lit.config import RunConfig, check_vocab
 from stabilize.model import GPT
 from stabilize.validate import ConfigError
 
-RESUME_ALLOWED = "allowed: 'none', 'auto' or a checkpoint file written by stabilize-train"
+RESUME_ALLOWED = (
+    "allowed: 'none', 'auto', 'restart' or a checkpoint file written by stabilize-train"
+)
 
 
 @contextmanager
@@ -144,7 +146,7 @@ def _quiet_datasets() -> Iterator[None]:
 def check_resume(resume: str) -> None:
     """``resume=PATH`` names a file that is a checkpoint: a torch zip archive holding a
     Lightning checkpoint (loaded memory-mapped: the tensors are not read)."""
-    if resume in ("none", "auto"):
+    if resume in ("none", "auto", "restart"):  # modes, not paths (lit/checkpoint.py)
         return
     path = Path(resume)
     if not path.is_file():
