@@ -370,7 +370,6 @@ def test_default_monitor_config_reaches_the_monitors(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        (["optim.accumulate_grad_batches=2"], "not allowed with rollback.enabled=true yet"),
         (
             ["fault=activation_drift", "fault.layer=5"],
             "fault.layer=5 is not allowed with model.n_layer=2",

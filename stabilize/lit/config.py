@@ -165,12 +165,6 @@ class RunConfig:
         # one section per registered monitor (stabilize/monitors/registry.py), not a dataclass
         self.monitor = MonitorConfig.build(self.monitor, "monitor")
 
-        if self.rollback.enabled and self.optim.accumulate_grad_batches > 1:
-            raise ValueError(
-                f"optim.accumulate_grad_batches={self.optim.accumulate_grad_batches} is not "
-                f"allowed with rollback.enabled=true yet (a rollback mid-window would misalign "
-                f"the accumulation windows); allowed: 1, or rollback=off"
-            )
         if self.fault.kind == "activation_drift" and not 0 <= self.fault.layer < self.model.n_layer:
             raise ValueError(
                 f"fault.layer={self.fault.layer} is not allowed with model.n_layer="
