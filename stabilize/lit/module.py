@@ -30,7 +30,7 @@ from torch import nn
 
 from stabilize.data import build_dataloaders
 from stabilize.lit.config import OptimConfig, RunConfig
-from stabilize.model import GPT
+from stabilize.model import GPT, set_activation_checkpointing
 from stabilize.norms import Norm
 from stabilize.rollback import reapply_remedies
 
@@ -99,6 +99,8 @@ class GPTLitModule(L.LightningModule):
         self.remedies: list[str] = []
 
     def configure_model(self) -> None:
+        if self.cfg.trainer.activation_checkpointing:  # before compile: traced with it
+            set_activation_checkpointing(self.model, True)
         # After the callbacks' setup: the probe's and the faults' hooks are already on the
         # modules, so dynamo traces them into the compiled graph.
         if self.cfg.trainer.compile and not getattr(self, "_compiled", False):
