@@ -76,7 +76,7 @@ class TrainerConfig:
     val_check_interval: int = 100  # in optimizer steps
     limit_val_batches: int = 8
     checkpoint_every_n_steps: int = 100
-    keep_checkpoints: int = -1  # periodic ones kept; -1 keeps all (last.ckpt is always kept)
+    keep_checkpoints: int = 5  # periodic ones kept, the newest; -1 keeps all (last.ckpt always)
     accelerator: str = "auto"
     devices: Any = "auto"  # an int, or "auto" (under torchrun: the processes per node)
     num_nodes: int = 1
