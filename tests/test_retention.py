@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stabilize.rollback import Snapshot, prune_durable, save_durable
+from stabilize.rollback import DurableWriter, Snapshot, prune_durable
 from stabilize.train import run
 
 from conftest import FAST, compose_run
@@ -41,8 +41,10 @@ def test_a_long_run_keeps_only_the_newest_snapshots_and_checkpoints(tmp_path):
 def test_durable_snapshots_are_pruned_to_the_newest_by_step(keep, tmp_path):
     """Written out of order, as after a rollback (step 30 again after 40): the newest by
     step are kept; -1 keeps every file."""
+    writer = DurableWriter(background=True, keep=keep)
     for step in (10, 20, 40, 30, 50):
-        save_durable(Snapshot(step, {"w": step}), tmp_path, keep)
+        writer.submit(Snapshot(step, {"w": step}), tmp_path)
+    writer.close()
     names = sorted(p.name for p in tmp_path.glob("snapshot-*.pt"))
     want = [10, 20, 30, 40, 50] if keep == -1 else [10, 20, 30, 40, 50][-keep:]
     assert names == [f"snapshot-{s:06d}.pt" for s in want]

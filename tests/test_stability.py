@@ -213,6 +213,7 @@ WRITER_ARGS = [
     "rollback.snapshot_every=1",
     "rollback.durable_every=1",
     "rollback.keep=2",
+    "rollback.keep_durable=-1",  # every file stays: the kill lands among many writes
 ]
 
 

@@ -127,11 +127,16 @@ class SnapshotRing:
         return [s.step for s in self.ring]
 
 
-def save_durable(snap: Snapshot, directory: str | Path, keep: int = -1) -> Path:
-    """Write ``snap`` to ``directory/snapshot-NNNNNN.pt``; then keep only the newest ``keep``
-    snapshot files there, by step (-1: all), so that disk use stays bounded."""
+def save_durable(snap: Snapshot, directory: str | Path) -> Path:
     path = Path(directory) / f"snapshot-{snap.step:06d}.pt"
     atomic_torch_save({"step": snap.step, "state": snap.state, "wall": snap.wall}, path)
+    return path
+
+
+def save_and_prune(snap: Snapshot, directory: str | Path, keep: int = -1) -> Path:
+    """``save_durable``, then keep only the newest ``keep`` snapshot files in ``directory``
+    (-1: all), so that disk use stays bounded (``rollback.keep_durable``)."""
+    path = save_durable(snap, directory)
     if keep > 0:
         prune_durable(directory, keep)
     return path
@@ -173,13 +178,13 @@ class DurableWriter:
     def submit(self, snap: Snapshot, directory: str | Path) -> None:
         self.wait()
         if not self.background:
-            save_durable(snap, directory, self.keep)
+            save_and_prune(snap, directory, self.keep)
             return
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="stabilize-durable")
-        self._pending = (self._pool.submit(save_durable, snap, directory, self.keep), snap.state)
+        self._pending = (self._pool.submit(save_and_prune, snap, directory, self.keep), snap.state)
 
     def busy_with(self, state: Any) -> bool:
         """Is ``state`` (a snapshot's state dict) being written right now?"""
