@@ -6,6 +6,16 @@ Two step counters live here besides Lightning's ``global_step``:
   rewind (Lightning issue #13099), the model's step does.
 - ``data_step``: micro-batches consumed, the data position. The order of batches is a pure
   function of (seed, data_step) (stabilize.data.StepSampler), so resuming restarts there.
+  With gradient accumulation A, an optimizer step is A micro-batches: data_step = A x
+  model_step, plus the micro-batches skip_data remedies jumped over.
+
+Accumulation windows: Lightning steps the optimizer when its own batch counter reaches a
+multiple of A, and counts every batch it fetches. A batch prefetched before a rollback is
+stale (not trained on, ``stale_batch``): left counted, it would shift every later window
+off the data position's. So a stale batch is taken off Lightning's counters again
+(``_uncount_stale``) and the windows stay whole: a rollback always lands on a window end
+(verdicts come at the optimizer step), and the next window starts with the restored
+position's first micro-batch.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from torch import nn
 
 from stabilize.data import build_dataloaders
 from stabilize.lit.config import OptimConfig, RunConfig
-from stabilize.model import GPT
+from stabilize.model import GPT, set_activation_checkpointing
 from stabilize.norms import Norm
 from stabilize.rollback import reapply_remedies
 
@@ -77,6 +87,9 @@ class GPTLitModule(L.LightningModule):
         self._batch_step: int | None = None  # the data step the incoming batch was drawn for
         self.stale_batch = False  # set per batch in on_before_batch_transfer
         self.step_loss: torch.Tensor | None = None  # sum over this step's micro-batches
+        self.micro = 0  # fresh micro-batches of the current optimizer step trained so far
+        self._uncount = False  # the last batch was stale: take it off Lightning's counters
+        self._window_end = False  # this batch ended an accumulation window (logged then)
         self.skip_step = False  # set by the stability callback: this step is not applied
         self._grad_norm_at = -1
         self._batches_seen = 0  # every batch trained on, never rewound (a cache key)
@@ -86,6 +99,8 @@ class GPTLitModule(L.LightningModule):
         self.remedies: list[str] = []
 
     def configure_model(self) -> None:
+        if self.cfg.trainer.activation_checkpointing:  # before compile: traced with it
+            set_activation_checkpointing(self.model, True)
         # After the callbacks' setup: the probe's and the faults' hooks are already on the
         # modules, so dynamo traces them into the compiled graph.
         if self.cfg.trainer.compile and not getattr(self, "_compiled", False):
@@ -142,12 +157,36 @@ class GPTLitModule(L.LightningModule):
         # cross-entropy in fp32 whatever the activation dtype
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
+    @property
+    def window_start(self) -> bool:
+        """Is the incoming batch the first trained micro-batch of an optimizer step?"""
+        return not self.stale_batch and self.micro == 0
+
+    def _uncount_stale(self) -> None:
+        """Take the last (stale) batch off Lightning's batch counters, so that its
+        ``ready % accumulate_grad_batches`` test (when to step the optimizer) and its
+        ``batch_idx % accumulate_grad_batches`` test (when to zero the gradients) count only
+        batches trained on. Run before the next batch is counted: by then the stale one has
+        been through every stage (ready, started, processed, completed)."""
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress
+        for tracker in (progress.current, progress.total):
+            tracker.ready -= 1
+            tracker.started -= 1
+            tracker.processed -= 1
+            tracker.completed -= 1
+
     def on_before_batch_transfer(self, batch, dataloader_idx):
         if self.trainer.training and len(batch) == 3:
+            if self._uncount:
+                self._uncount = False
+                self._uncount_stale()
             x, y, steps = batch  # steps: [B] CPU tensor, the data step of the batch
             self._batch_step = int(steps[0])
             # fetched ahead before a rollback moved the data position: not trained on
             self.stale_batch = self._batch_step != self.data_step
+            # with accumulation a stale batch is uncounted (with A = 1 it is a window of its
+            # own, as it always was: optimizer_step drops it)
+            self._uncount = self.stale_batch and self.cfg.optim.accumulate_grad_batches > 1
             return x, y
         return batch[:2]
 
@@ -175,8 +214,9 @@ class GPTLitModule(L.LightningModule):
         if self.injector is not None:
             loss = self.injector.on_loss(self.model_step + 1, loss)
             self.injector.arm(self.model_step + 1, self.model)
-        if self.data_step % self.cfg.optim.accumulate_grad_batches == 0:
+        if self.micro == 0:
             self.step_loss = None  # the first micro-batch of an optimizer step
+        self.micro += 1
         self.data_step += 1
         self._batches_seen += 1
         self._loss = loss.detach()
@@ -238,6 +278,7 @@ class GPTLitModule(L.LightningModule):
         return self.grad_norm
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        self._window_end = True  # Lightning calls this once per window (its last batch)
         if self.stale_batch:
             # Lightning wants its closure run; the stale batch's zero gradients are dropped
             # and no step is taken: no phantom step for the model, the LR or the scaler.
@@ -245,12 +286,16 @@ class GPTLitModule(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)
             return
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.micro = 0  # the next micro-batch starts the next window
         if self.skip_step:  # judged bad before it was applied: the rollback restores
             self.skip_step = False
             return
         self.model_step += 1
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        window_end, self._window_end = self._window_end, False
+        if not window_end:  # mid-window: no optimizer step to speak of yet
+            return
         last = self.model_step >= self.cfg.trainer.max_steps  # the final step is always logged
         if self.trainer.global_step % self.trainer.log_every_n_steps and not last:
             return
@@ -258,9 +303,12 @@ class GPTLitModule(L.LightningModule):
             "train/step": float(self.model_step),
             "train/lr": self.optimizers().param_groups[0]["lr"],
         }
-        if self._loss is not None:
-            # logged here, on log steps only: self.log costs ~1 ms per call on every step
-            stats["train/loss"] = self._loss
+        if self.step_loss is not None:
+            # logged here, on log steps only: self.log costs ~1 ms per call on every step.
+            # The step's loss: the mean over its micro-batches (each a mean over B x T
+            # tokens, so this is the mean over the step's tokens, as one big batch gives)
+            a = self.cfg.optim.accumulate_grad_batches
+            stats["train/loss"] = self.step_loss if a == 1 else self.step_loss / a
         if self.grad_norm is not None:
             stats["train/grad_norm"] = self.grad_norm
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)

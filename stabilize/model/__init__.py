@@ -3,5 +3,14 @@
 from stabilize.model.config import PRESETS, GPTConfig
 from stabilize.model.gpt import GPT
 from stabilize.model.layers import MLP, Block, CausalSelfAttention
+from stabilize.model.recompute import set_activation_checkpointing
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "Block", "CausalSelfAttention", "MLP"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "PRESETS",
+    "Block",
+    "CausalSelfAttention",
+    "MLP",
+    "set_activation_checkpointing",
+]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stabilize.model.config import GPTConfig
+from stabilize.model.recompute import recomputed
 from stabilize.norms import build_norm
 
 
@@ -84,8 +85,15 @@ class Block(nn.Module):
         self.ln_1_out = norm_or_identity(sandwich, d, cfg)
         self.ln_2_out = norm_or_identity(sandwich, d, cfg)
         self.alpha = deepnorm_alpha(cfg.n_layer) if self.placement == "deepnorm" else 1.0
+        # recompute this forward in the backward (stabilize/model/recompute.py)
+        self.activation_checkpointing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return recomputed(self, self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.placement in ("pre", "sandwich"):
             x = x + self.ln_1_out(self.attn(self.ln_1(x)))
             return x + self.ln_2_out(self.mlp(self.ln_2(x)))

@@ -127,7 +127,7 @@ def render(cfg: RunConfig, plan: PlanConfig) -> str:
         row(
             f"on disk after {t.max_steps} steps",
             st.disk_at_end,
-            f"keep_checkpoints={t.keep_checkpoints}, durable snapshots all kept",
+            f"keep_checkpoints={t.keep_checkpoints}, keep_durable={cfg.rollback.keep_durable}",
         ),
     ]
     return "\n".join(rows)

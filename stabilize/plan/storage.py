@@ -51,15 +51,18 @@ def storage(cfg: RunConfig, gpus_per_node: int, nodes: int, disk_gbps: float) ->
     if durable_every:
         per_100 += 100 / durable_every * snap
     per_100 += 100 / tr.checkpoint_every_n_steps * snap
-    # Retention today: durable snapshots are never deleted; periodic checkpoints are kept by
+    # Retention: durable snapshots kept by rollback.keep_durable, periodic checkpoints by
     # trainer.keep_checkpoints (-1: all), and last.ckpt besides them.
     n_durable = tr.max_steps // durable_every if durable_every else 0
+    if rb.keep_durable != -1:
+        n_durable = min(n_durable, rb.keep_durable)
     n_ckpt = tr.max_steps // tr.checkpoint_every_n_steps
     if tr.keep_checkpoints != -1:
         n_ckpt = min(n_ckpt, tr.keep_checkpoints)
     bound = None
-    if not durable_every and tr.keep_checkpoints != -1:
-        bound = (tr.keep_checkpoints + 1) * snap
+    durable_bounded = not durable_every or rb.keep_durable != -1
+    if durable_bounded and tr.keep_checkpoints != -1:
+        bound = ((rb.keep_durable if durable_every else 0) + tr.keep_checkpoints + 1) * snap
     return Storage(
         snapshot=snap,
         ring_per_rank=ring,

@@ -19,6 +19,7 @@ from stabilize.rollback.snapshots import (
     Snapshot,
     SnapshotRing,
     load_durable,
+    prune_durable,
     save_durable,
     to_cpu,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "TrainState",
     "get_remedy",
     "load_durable",
+    "prune_durable",
     "reapply_remedies",
     "register_remedy",
     "save_durable",

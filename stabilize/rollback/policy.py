@@ -30,6 +30,9 @@ class RollbackConfig:
     """M: also to disk (run_dir/snapshots) every M steps (0: never)."""
     durable_async: bool = True
     """Write to disk on a background thread (DurableWriter)."""
+    keep_durable: int = 3
+    """Durable snapshots kept on disk, the newest by step (-1: all); older ones are deleted
+    after each write, so a long run's disk use is bounded."""
     margin: int = 1
     """Restore a snapshot at least this many steps older than the fault."""
     ladder: list[str] = field(default_factory=lambda: ["skip_data", "lower_lr", "fp32_reduction"])
@@ -48,6 +51,8 @@ class RollbackConfig:
         for k in ("snapshot_every", "keep", "skip_batches", "max_rollbacks", "window"):
             check_positive(f"rollback.{k}", getattr(self, k), integer=True)
         check_range("rollback.durable_every", self.durable_every, 0, float("inf"))
+        if self.keep_durable != -1:
+            check_positive("rollback.keep_durable", self.keep_durable, integer=True)
         check_range("rollback.margin", self.margin, 0, float("inf"))
         check_range("rollback.lr_factor", self.lr_factor, 1e-6, 1.0)
         for i, r in enumerate(self.ladder):

@@ -133,6 +133,27 @@ def save_durable(snap: Snapshot, directory: str | Path) -> Path:
     return path
 
 
+def save_and_prune(snap: Snapshot, directory: str | Path, keep: int = -1) -> Path:
+    """``save_durable``, then keep only the newest ``keep`` snapshot files in ``directory``
+    (-1: all), so that disk use stays bounded (``rollback.keep_durable``)."""
+    path = save_durable(snap, directory)
+    if keep > 0:
+        prune_durable(directory, keep)
+    return path
+
+
+def prune_durable(directory: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` durable snapshots in ``directory`` (by step: the
+    zero-padded names sort by it); the paths deleted. After a rollback the files of steps
+    past the restored one are still there until the same steps are written again: they
+    count as the newest, and are replaced in place."""
+    files = sorted(Path(directory).glob("snapshot-*.pt"))
+    old = files[: max(0, len(files) - keep)]
+    for f in old:
+        f.unlink(missing_ok=True)
+    return old
+
+
 class DurableWriter:
     """Writes snapshots to disk off the training thread, one at a time, in order.
 
@@ -144,24 +165,26 @@ class DurableWriter:
     overwrite is the one being written. A second write waits for the first, whose error
     (disk full, ...) is raised there, on the training thread; ``wait`` at the end of
     training (and on a crash) means no write is lost. ``background=False``: the write
-    happens inside ``submit``, as before.
+    happens inside ``submit``, as before. ``keep``: snapshot files kept in the directory
+    after each write (``rollback.keep_durable``; -1: all).
     """
 
-    def __init__(self, background: bool = True):
+    def __init__(self, background: bool = True, keep: int = -1):
         self.background = background
+        self.keep = keep
         self._pool = None
         self._pending = None  # (future, state) of the write in flight
 
     def submit(self, snap: Snapshot, directory: str | Path) -> None:
         self.wait()
         if not self.background:
-            save_durable(snap, directory)
+            save_and_prune(snap, directory, self.keep)
             return
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="stabilize-durable")
-        self._pending = (self._pool.submit(save_durable, snap, directory), snap.state)
+        self._pending = (self._pool.submit(save_and_prune, snap, directory, self.keep), snap.state)
 
     def busy_with(self, state: Any) -> bool:
         """Is ``state`` (a snapshot's state dict) being written right now?"""

@@ -106,7 +106,9 @@ class StabilityCallback(L.Callback):
     # replays and the snapshot ring never see it; the restore itself waits for
     # on_train_batch_end, after Lightning's step / scaler update / scheduler bookkeeping.
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if pl_module.data_step % self.accumulate == 0 and self.probe is not None:
+        # the first fresh micro-batch of an optimizer step (not data_step % accumulate: a
+        # skip_data remedy may move the position by any number of micro-batches)
+        if pl_module.window_start and self.probe is not None:
             # this step is logged iff Lightning's step after it is a multiple of the interval
             logged = (trainer.global_step + 1) % trainer.log_every_n_steps == 0
             detailed = logged or self._detailed_always

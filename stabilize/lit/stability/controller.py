@@ -45,7 +45,7 @@ class RollbackController:
     ):
         self.cfg, self.run_dir, self.suite, self.sink = cfg, Path(run_dir), suite, sink
         self.ring = SnapshotRing(cfg.keep)
-        self.writer = DurableWriter(background=cfg.durable_async)
+        self.writer = DurableWriter(background=cfg.durable_async, keep=cfg.keep_durable)
         self.policy = RollbackPolicy(cfg)
         self.injector: FaultInjector | None = None  # set by the callback's setup
 
