@@ -6,12 +6,13 @@ each validated on construction with the key, the value and the allowed values.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from stabilize.data import DataConfig
+from stabilize.data import DataConfig, model_vocab_size
 from stabilize.faults import FaultConfig
 from stabilize.model import GPTConfig
+from stabilize.model.config import PRESETS
 from stabilize.monitors import MonitorConfig
 from stabilize.norms import NormConfig
 from stabilize.rollback import RollbackConfig
@@ -163,6 +164,12 @@ class RunConfig:
             ("audit", AuditConfig),
         ):
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
+        # The model's vocabulary follows data.tokenizer unless set (issue 14): refused here,
+        # before anything is written, if the tokenizer's ids do not fit it.
+        preset = PRESETS.get(self.model.name, {}).get("vocab_size", GPTConfig.vocab_size)
+        vocab = model_vocab_size(self.data, self.model.vocab_size, preset)
+        if vocab != self.model.vocab_size:
+            self.model = replace(self.model, vocab_size=vocab)
 
         if self.rollback.enabled and self.optim.accumulate_grad_batches > 1:
             raise ValueError(
