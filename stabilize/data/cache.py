@@ -211,6 +211,7 @@ def _ensure_built(cfg: DataConfig, choice: TokenizerChoice, tokens: Path, fp: st
 
 def open_token_cache(cfg: DataConfig) -> CachedCorpus:
     """The corpus of ``cfg`` tokenized, from the cache (built first if need be), mapped."""
+    t0 = time.perf_counter()
     choice = choose_tokenizer(cfg)
     tokens = _cache_root(cfg)
     fp, inputs = fingerprint(cfg, choice)
@@ -220,9 +221,10 @@ def open_token_cache(cfg: DataConfig) -> CachedCorpus:
     tok = choice.loaded if choice.loaded is not None else load_file(entry / TOKENIZER_FILE)
     train = TokenArray(entry / "train.bin", meta["dtype"])
     val = TokenArray(entry / "val.bin", meta["dtype"]) if (entry / "val.bin").is_file() else None
-    log.info(
-        "token cache %s: memory-mapped %s (%d train%s tokens, %s) [rank %s]",
-        fp, entry, len(train), f" + {len(val)} val" if val else "", meta["dtype"], _rank(),
-    )  # fmt: skip
     counts = token_byte_counts(tok)
+    log.info(
+        "token cache %s: memory-mapped %s (%d train%s tokens, %s) in %.2f s [rank %s]",
+        fp, entry, len(train), f" + {len(val)} val" if val else "", meta["dtype"],
+        time.perf_counter() - t0, _rank(),
+    )  # fmt: skip
     return CachedCorpus(train, val, tok, counts, fp, entry)
