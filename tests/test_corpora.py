@@ -312,6 +312,9 @@ def test_bad_inputs_fail_with_one_line(tmp_path, hf_cache):
         (dict(paths=["ok.txt"], tokenizer="./no/such/tokenizer.json"),
             r"data.tokenizer='./no/such/tokenizer.json' is not allowed: no such file"),
         (dict(paths=["ok.txt"], tokenizer=str(tmp_path / "nope")), r"no such file or directory"),
+        (dict(paths=["ok.txt"], tokenizer="nobody/no-such-tokenizer"),
+            r"'nobody/no-such-tokenizer' is not allowed: no such file or directory, and the hub "
+            r"is off \(HF_HUB_OFFLINE is set\); allowed: \['bpe', 'bytes'\]"),
         (dict(paths=["ok.txt"], cache_dir=str(tmp_path / "file" / "sub")),
             r"data.cache_dir='.*file/sub' is not allowed: .* is not writable"),
     ]  # fmt: skip
@@ -322,3 +325,9 @@ def test_bad_inputs_fail_with_one_line(tmp_path, hf_cache):
             build_dataloaders(DataConfig(source="local", **kw), 8, num_steps=1)
         assert "\n" not in str(e.value), str(e.value)
     assert not [p for p in (tmp_path / "c" / "tokens").iterdir() if p.is_dir()]  # nothing left
+    with pytest.raises(ValueError, match=r"data.val_paths=\['v.txt'\] is not allowed with data"):
+        DataConfig(val_paths=["v.txt"])
+    with pytest.raises(ValueError, match=r"data.val_paths=.* no such file: .*missing.txt"):
+        DataConfig(source="local", paths=[str(tmp_path / "ok.txt")], val_paths=["missing.txt"])
+    with pytest.raises(ValueError, match=r"data.vocab_size=100 .*\[256, 4294967296\]"):
+        DataConfig(tokenizer="bpe", vocab_size=100)
