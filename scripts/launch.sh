@@ -8,6 +8,7 @@
 # Two nodes (run on each, same --run-id and endpoint):
 #   scripts/launch.sh --nnodes 2 --nproc-per-node 8 --rdzv-endpoint node0:29500 --run-id exp1 ...
 # On CPU the ranks talk over gloo: scripts/launch.sh --nproc-per-node 2 trainer.accelerator=cpu
+# Exit code: 0 done, 2 config error (nothing written), 3 stability abort, else crashed.
 set -euo pipefail
 
 nprocs=1; nnodes=1; node_rank=""; endpoint=""; run_id="${STABILIZE_RUN_ID:-}"
@@ -18,7 +19,7 @@ while [[ $# -gt 0 ]]; do
     --node-rank) node_rank="$2"; shift 2 ;;
     --rdzv-endpoint) endpoint="$2"; shift 2 ;;
     --run-id) run_id="$2"; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) break ;;
   esac
@@ -40,4 +41,6 @@ else
 fi
 # OMP threads per rank: share the cores instead of oversubscribing them.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( ( $(nproc) + nprocs - 1 ) / nprocs ))}"
-exec "${PYTHON:-python}" -m torch.distributed.run "${args[@]}" -m stabilize.train "$@"
+# torchrun through stabilize.launch: the exit code is the ranks' own when it means something
+# (2 config error, 3 stability abort) instead of torchrun's 1 and a ChildFailedError traceback.
+exec "${PYTHON:-python}" -m stabilize.launch "${args[@]}" -m stabilize.train "$@"

@@ -48,7 +48,8 @@ for i in "${!list[@]}"; do
   rc=0
   STABILIZE_RUN_DIR="$out/$arm" "$here/launch.sh" --nproc-per-node "$nprocs" --run-id "$group-$arm" \
     -- "experiment=$experiment" "arm=$arm" "logger.group=$group" "$@" > "$out/$arm.log" 2>&1 || rc=$?
-  echo "    arm=$arm exit $rc; log $out/$arm.log" >&2
+  case "$rc" in 0) what=done ;; 2) what="config error" ;; 3) what="aborted (stability)" ;; *) what=crashed ;; esac
+  echo "    arm=$arm: $what (exit $rc); log $out/$arm.log" >&2
 done
 "${PYTHON:-python}" -m stabilize.report "${list[@]/#/$out/}" --out "$out" --title "$experiment: $arms"
 echo "scenario done in $((SECONDS - start)) s; report: $out/report.md" >&2

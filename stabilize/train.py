@@ -13,24 +13,34 @@ upstream).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 import lightning as L
+from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from stabilize.exits import EXIT_ABORT, EXIT_CONFIG, EXIT_CRASH, file_error, one_line
 from stabilize.lit.build import build_trainer
-from stabilize.lit.checkpoint import resolve_resume
+from stabilize.lit.checkpoint import checkpoint_steps, resolve_resume
 from stabilize.lit.config import RunConfig
 from stabilize.lit.module import GPTLitModule
+from stabilize.lit.preflight import build_config, preflight
+from stabilize.lit.rundir import RunDirError, already_finished, claim
 from stabilize.lit.stability import StabilityAbort
 from stabilize.paths import config_dir
+from stabilize.validate import ConfigError
 
 CONFIG_DIR = config_dir()
 
@@ -75,14 +85,38 @@ def _sweep_group() -> str | None:
 def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says (plus any extra Lightning callbacks); returns the final
     metrics (floats) and where things are."""
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    preflight(cfg)  # every start-up check, before anything is written (ConfigError)
     run_dir = Path(cfg.run_dir)
+    # Everything about the run dir is settled before anything is written to it: a fresh
+    # start refused or moved aside (lit/rundir.py), the checkpoint verified (or the newest
+    # intact one chosen), a finished run left alone.
+    moved = claim(run_dir, cfg.resume)
+    if moved:
+        print(moved, file=sys.stderr, flush=True)
+    t = cfg.trainer
+    try:
+        ckpt = resolve_resume(cfg.resume, run_dir)
+        done = ckpt and already_finished(run_dir, ckpt, t.max_steps, t.stop_at_step)
+    except ValueError as e:  # no intact checkpoint, not a checkpoint: one line, exit 2
+        raise RunDirError(str(e)) from None
+    if done:
+        if _rank() == 0:
+            print(done, flush=True)
+        step, global_step = checkpoint_steps(ckpt)
+        return {
+            "metrics": {},
+            "run_dir": str(run_dir),
+            "model_step": step,
+            "global_step": global_step,
+            "resumed_from": ckpt,
+            "nothing_to_train": True,
+        }
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir.mkdir(parents=True, exist_ok=True)
     if _rank() == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     module = GPTLitModule(cfg)
     trainer = build_trainer(cfg, list(callbacks))
-    ckpt = resolve_resume(cfg.resume, run_dir)
     try:
         if trainer.is_global_zero and trainer.loggers:
             for lg in trainer.loggers:
@@ -127,15 +161,41 @@ def _finish_wandb(trainer: L.Trainer) -> None:
             lg.experiment.finish()
 
 
+class RunDirGuard(Callback):
+    """Hydra callback (configs/train.yaml ``hydra.callbacks``): claims the run dir before
+    Hydra writes its ``.hydra/`` files into it, so a refused launch leaves the dir exactly
+    as it was. ``run()`` claims it again for callers without Hydra (a no-op after this)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        raw = OmegaConf.to_container(config, resolve=False).get("run_dir")
+        # run_dir defaults to ${hydra:runtime.output_dir}, which Hydra fills in only later
+        default = raw is None or "hydra:runtime" in str(raw)
+        run_dir = config.hydra.run.dir if default else config.run_dir
+        try:
+            moved = claim(run_dir, str(config.resume))
+        except RunDirError as e:  # Hydra turns a callback's exception into a warning
+            print(f"stabilize-train: {one_line(str(e))}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_CONFIG)
+        if moved:
+            print(moved, file=sys.stderr, flush=True)
+
+
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    values = OmegaConf.to_container(cfg, resolve=True)
+def _app(cfg: DictConfig) -> float | None:
+    """One run (or one member of a ``-m`` sweep). A config error, a stability abort and a
+    file error end it here with one line and their exit code (``stabilize/exits.py``)."""
     group = _sweep_group()
-    if group and not values["logger"].get("group"):
-        values["logger"]["group"] = group
-    run_cfg = RunConfig.from_dict(values)
     try:
-        result = run(run_cfg)
+        try:
+            values = OmegaConf.to_container(cfg, resolve=True)
+        except OmegaConfBaseException as e:  # e.g. an interpolation that does not resolve
+            raise ConfigError(str(e)) from e
+        if group and not values["logger"].get("group"):
+            values["logger"]["group"] = group
+        result = run(build_config(values))  # run() checks the rest before it writes
+    except (ConfigError, RunDirError) as e:
+        _discard_hydra_output()  # only where the dir holds no run of its own
+        _fail(EXIT_CONFIG, one_line(str(e)), every_rank=True)
     except StabilityAbort as e:
         if _rank() == 0:
             print(
@@ -143,9 +203,11 @@ def main(cfg: DictConfig) -> float | None:
                 file=sys.stderr,
                 flush=True,
             )
-        sys.exit(3)
+        _fail(EXIT_ABORT, None)
+    except OSError as e:  # a full disk, a permission: name the file, no traceback
+        _fail(EXIT_CRASH, file_error(e), every_rank=True)
     m = result["metrics"]
-    if _rank() == 0:
+    if _rank() == 0 and not result.get("nothing_to_train"):
         summary = ", ".join(
             f"{k} {m[k]:.4f}" for k in ("train/loss", "val/loss", "val/bpb") if k in m
         )
@@ -156,5 +218,71 @@ def main(cfg: DictConfig) -> float | None:
     return m.get("val/loss")  # for Hydra sweepers that optimise
 
 
+# Under torchrun a rank > 0 that stops on a config error or an abort waits this long before
+# it exits: torchrun stops every rank as soon as one exits, and rank 0, which prints the
+# message and writes result.json, should be the one to go first.
+RANK0_GRACE_S = 5.0
+
+
+def _fail(code: int, message: str | None, every_rank: bool = False) -> NoReturn:
+    """Print ``stabilize-train: message`` (rank 0; every rank when ``every_rank``, after the
+    grace period on ranks > 0, in case rank 0 did not fail) and exit with ``code``."""
+    if _rank() > 0:
+        time.sleep(RANK0_GRACE_S)  # torchrun usually ends this rank here, after rank 0
+    if message and (_rank() == 0 or every_rank):
+        prefix = "" if _rank() == 0 else f"[rank {_rank()}] "
+        print(f"stabilize-train: {prefix}{message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def _discard_hydra_output() -> None:
+    """Nothing is written on a config error, but Hydra made the run dir (its ``.hydra*/``
+    and log file) before the app ran: remove those when the dir holds no run of its own
+    (no config.json), then the dir and its empty parents up to the working directory."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        hc = HydraConfig.get()
+    except ValueError:  # not running under Hydra
+        return
+    out = Path(hc.runtime.output_dir)
+    if (out / "config.json").exists():
+        return
+    if hc.output_subdir:
+        shutil.rmtree(out / hc.output_subdir, ignore_errors=True)
+    log = OmegaConf.select(hc.job_logging, "handlers.file.filename", default=None)
+    if log and Path(log).parent == out:
+        for h in list(logging.root.handlers):  # closed and detached: nothing reopens it
+            if isinstance(h, logging.FileHandler) and Path(h.baseFilename) == Path(log).resolve():
+                logging.root.removeHandler(h)
+                h.close()
+        Path(log).unlink(missing_ok=True)
+    cwd = Path.cwd().resolve()
+    d = out.resolve()
+    while d != cwd and cwd in d.parents:
+        try:
+            d.rmdir()  # only an empty dir: another rank's files keep it
+        except OSError:
+            break
+        d = d.parent
+
+
+def main() -> None:
+    """``stabilize-train``: Hydra's app, with Hydra's own errors (an unknown group or key, a
+    bad override) on one line and exit code 2 instead of its multi-line report."""
+    # Hydra re-raises instead of printing its own report (and its stripped traceback of a
+    # genuine bug: that one now gets Python's full traceback).
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        _app()
+    except (HydraException, OmegaConfBaseException) as e:
+        msg = str(e).split("\nConfig search path:")[0]  # Hydra's, for a missing group option
+        if isinstance(e.__cause__, OmegaConfBaseException) and str(e.__cause__) not in msg:
+            msg += "\n" + str(e.__cause__)
+        _fail(EXIT_CONFIG, one_line(msg), every_rank=True)
+    except OSError as e:  # before the app ran: Hydra could not make the run dir
+        _fail(EXIT_CONFIG, f"the run dir cannot be made: {file_error(e)}", every_rank=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -158,10 +158,10 @@ def test_vocab_follows_the_tokenizer_and_a_mismatch_is_refused_before_anything(t
     assert compose_run(tmp_path, ["model=gpt-125m"]).model.vocab_size == 50257  # bytes: kept
     assert compose_run(tmp_path, [*bpe, "model.vocab_size=1024"]).model.vocab_size == 1024
     message = (
-        "model.vocab_size=512 is not allowed with data.tokenizer='bpe', whose ids need "
-        "vocab_size 700; allowed: >= 700"
+        "model.vocab_size=512 is not allowed with the 'bpe' tokenizer (ids 0 .. 699); "
+        "allowed: >= 700"
     )
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         compose_run(tmp_path, [*bpe, "model.vocab_size=512"])
     run_dir = tmp_path / "cli"
     r = run_cli(

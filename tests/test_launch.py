@@ -136,3 +136,53 @@ def test_resume_from_missing_file_is_a_clear_error(resume, tmp_path):
     with pytest.raises(ValueError, match="resume='nope.ckpt' is not allowed: no such"):
         resolve_resume(resume, tmp_path)
     assert resolve_resume("auto", tmp_path) is None
+
+
+def test_launch_keeps_exit_code_3_of_a_stability_abort_on_two_ranks(tmp_path):
+    """A persistent fault exhausts the ladder on every rank: launch.sh exits 3 (torchrun
+    alone exits 1 with a ChildFailedError traceback), with the diagnosis and one summary."""
+    run_dir = tmp_path / "run"
+    r = run_cli(
+        [
+            str(ROOT / "scripts" / "launch.sh"),
+            "--nproc-per-node",
+            "2",
+            *SMALL,
+            "logger=none",
+            "trainer.max_steps=8",
+            "trainer.val_check_interval=100",
+            "rollback.snapshot_every=2",
+            "fault=nan_loss",
+            "fault.step=4",
+            "fault.persistent=true",
+            "rollback.ladder=[retry]",
+        ],
+        cwd=tmp_path,
+        env={"STABILIZE_RUN_DIR": str(run_dir)},
+    )
+    assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr
+    assert "stability abort" in r.stderr and "launch: aborted (exit 3" in r.stderr
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "aborted"
+
+
+def test_launch_exits_2_on_a_config_error_and_writes_nothing(tmp_path):
+    r = run_cli(
+        [
+            str(ROOT / "scripts" / "launch.sh"),
+            "--nproc-per-node",
+            "2",
+            *SMALL,
+            "fault=nan_loss",
+            "fault.step=2",
+            "fault.rank=2",  # a rank this 2-process launch does not have
+        ],
+        cwd=tmp_path,
+        env={"STABILIZE_RUN_DIR": str(tmp_path / "run")},
+    )
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    ours = [line for line in r.stderr.splitlines() if line.startswith("stabilize-train:")]
+    assert len(ours) == 1 and "fault.rank=2 is not allowed" in ours[0] and "0 .. 1" in ours[0]
+    assert "launch: config error (exit 2" in r.stderr
+    assert list(tmp_path.iterdir()) == []

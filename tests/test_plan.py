@@ -256,7 +256,7 @@ def test_cli_prints_the_1_3b_plan(tmp_path):
     ],
 )
 def test_bad_overrides_fail_with_the_training_message(override, message, capsys):
-    assert main([override]) == 1
+    assert main([override]) == 2  # a config error (stabilize/exits.py)
     err = capsys.readouterr().err
     assert message in err and err.startswith("stabilize-plan: ")
 

@@ -592,7 +592,7 @@ def test_durable_writes_run_in_the_background_and_never_see_a_recycled_buffer(
     without the wait in ``_snapshot`` the file would hold the next step's weights."""
     import threading
 
-    import stabilize.rollback as rb
+    import stabilize.rollback.snapshots as rb
 
     real, threads = rb.save_durable, set()
 

@@ -19,7 +19,7 @@ No Lightning, Hydra or torch.distributed here: rank and world_size are passed in
 """
 
 from stabilize.data.cache import CachedCorpus, default_cache_dir, open_token_cache
-from stabilize.data.choice import TRAINERS, TokenizerChoice, choose_tokenizer, model_vocab_size
+from stabilize.data.choice import TRAINERS, TokenizerChoice, choose_tokenizer, follow_vocab
 from stabilize.data.config import SOURCES, SUFFIX_BUILDERS, DataConfig
 from stabilize.data.corpus import DOC_SEPARATOR, embedded_corpus, load_corpus, load_val_corpus
 from stabilize.data.hf_tokenizer import HFTokenizer, train_bpe
@@ -64,9 +64,9 @@ __all__ = [
     "default_cache_dir",
     "embedded_corpus",
     "epoch_permutation",
+    "follow_vocab",
     "load_corpus",
     "load_val_corpus",
-    "model_vocab_size",
     "open_token_cache",
     "register_tokenizer",
     "split_stream",

@@ -43,10 +43,22 @@ from stabilize.data.tokenizer import (
     text_batches,
     token_byte_counts,
 )
+from stabilize.validate import ConfigError
 
 log = logging.getLogger("stabilize.data")
 CACHE_VERSION = 1  # bump when the files' layout or meaning changes: every entry rebuilds
 TOKENIZER_FILE = "tokenizer.json"
+
+
+# Entries this process has checked -> the stat of their files then: the start-up check
+# (lit/preflight.py) and the run's loaders open the same entry, and the second open maps it
+# without reading every byte again (any write to a file changes its stat: checked again).
+_CHECKED: dict[Path, tuple] = {}
+
+
+def _stamp(entry: Path) -> tuple:
+    files = sorted(entry.iterdir()) if entry.is_dir() else []
+    return tuple((f.name, f.stat().st_ino, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
 
 
 def default_cache_dir() -> Path:
@@ -90,7 +102,7 @@ def _cache_root(cfg: DataConfig) -> Path:
         probe.touch()
         probe.unlink()
     except OSError as e:
-        raise ValueError(
+        raise ConfigError(
             f"data.cache_dir={cfg.cache_dir!r} is not allowed: {root} is not writable "
             f"({e.strerror or e}); allowed: a writable directory, or None for "
             f"{default_cache_dir()}"
@@ -155,7 +167,7 @@ def _build(cfg: DataConfig, choice: TokenizerChoice, tmp: Path, fp: str, inputs:
         n, crc = write_tokens(tmp / f"{split}.bin", pieces, dtype, tok.vocab_size)
         if n == 0:
             cap = f" within data.max_chars={cfg.max_chars}" if cfg.max_chars else ""
-            raise ValueError(
+            raise ConfigError(
                 f"{name} is not allowed: the corpus is empty (no text in column "
                 f"{cfg.text_field!r}{cap}); allowed: a corpus with at least one non-empty "
                 "document"
@@ -215,14 +227,18 @@ def open_token_cache(cfg: DataConfig) -> CachedCorpus:
     choice = choose_tokenizer(cfg)
     tokens = _cache_root(cfg)
     fp, inputs = fingerprint(cfg, choice)
-    _ensure_built(cfg, choice, tokens, fp, inputs)
     entry = tokens / fp
+    stamp = _stamp(entry)
+    first_open = not stamp or _CHECKED.get(entry) != stamp
+    if first_open:
+        _ensure_built(cfg, choice, tokens, fp, inputs)
+        _CHECKED[entry] = _stamp(entry)
     meta = json.loads((entry / "meta.json").read_text())
     tok = choice.loaded if choice.loaded is not None else load_file(entry / TOKENIZER_FILE)
     train = TokenArray(entry / "train.bin", meta["dtype"])
     val = TokenArray(entry / "val.bin", meta["dtype"]) if (entry / "val.bin").is_file() else None
     counts = token_byte_counts(tok)
-    log.info(
+    (log.info if first_open else log.debug)(
         "token cache %s: memory-mapped %s (%d train%s tokens, %s) in %.2f s [rank %s]",
         fp, entry, len(train), f" + {len(val)} val" if val else "", meta["dtype"],
         time.perf_counter() - t0, _rank(),

@@ -10,7 +10,7 @@ Four kinds, tried in this order:
 A new trained tokenizer: a function ``(batches of documents, vocab_size) -> Tokenizer`` in
 ``TRAINERS``; its recipe version goes into the fingerprint so a change rebuilds its caches.
 The choice is cheap to make (no corpus is read) so the run config can size the model with it
-before anything is written (``model_vocab_size``).
+before anything is written (``follow_vocab``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 from stabilize.data import hf_tokenizer
 from stabilize.data.config import DataConfig
 from stabilize.data.tokenizer import TOKENIZERS, Tokenizer, build_tokenizer
+from stabilize.validate import ConfigError
 
 # name -> (trainer, recipe version).
 TRAINERS: dict[str, tuple[Callable[[Any, int], Tokenizer], int]] = {
@@ -79,7 +80,7 @@ def choose_tokenizer(cfg: DataConfig) -> TokenizerChoice:
         tok = hf_tokenizer.load_file(file)
         return TokenizerChoice("file", name, tok.vocab_size, _content_key(tok), tok)
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        raise ValueError(
+        raise ConfigError(
             f"data.tokenizer={name!r} is not allowed: no such file or directory, and the hub "
             f"is off (HF_HUB_OFFLINE is set); allowed: {_allowed()}"
         )
@@ -87,7 +88,7 @@ def choose_tokenizer(cfg: DataConfig) -> TokenizerChoice:
         tok = hf_tokenizer.load_hub(name)
     except Exception as e:  # tokenizers raises a bare Exception for a failed download
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(
+        raise ConfigError(
             f"data.tokenizer={name!r} is not allowed: no such file or directory, and the hub "
             f"has no such tokenizer or is unreachable ({first}); allowed: {_allowed()}"
         ) from e
@@ -96,13 +97,13 @@ def choose_tokenizer(cfg: DataConfig) -> TokenizerChoice:
 
 def tokenizer_file_or_fail(name: str, path: Path) -> Path:
     if not path.exists():
-        raise ValueError(
+        raise ConfigError(
             f"data.tokenizer={name!r} is not allowed: no such file or directory; "
             f"allowed: {_allowed()}"
         )
     file = hf_tokenizer.tokenizer_file(path)
     if file is None:
-        raise ValueError(
+        raise ConfigError(
             f"data.tokenizer={name!r} is not allowed: the directory has no tokenizer.json "
             "(save a fast tokenizer with transformers' save_pretrained); allowed: "
             f"{_allowed()}"
@@ -116,18 +117,12 @@ def _content_key(tok: hf_tokenizer.HFTokenizer) -> dict[str, Any]:
     return {"tokenizer_sha256": hashlib.sha256(tok.tok.to_str().encode()).hexdigest()}
 
 
-def model_vocab_size(cfg: DataConfig, model_vocab: int, preset_vocab: int) -> int:
-    """The model's ``vocab_size`` for this tokenizer: the tokenizer's when ``model_vocab`` was
-    left at its preset value (``preset_vocab``) and the tokenizer is not ``bytes`` (whose 256
-    ids fit every preset: the gpt-* presets keep GPT-2's 50,257, as their published sizes
-    say); otherwise ``model_vocab``, refused if the tokenizer's ids do not fit it."""
-    tok_vocab = choose_tokenizer(cfg).vocab_size
+def follow_vocab(cfg: DataConfig, model_vocab: int, preset_vocab: int, tok_vocab: int) -> int:
+    """The model's ``vocab_size`` for a tokenizer of ``tok_vocab`` ids: the tokenizer's when
+    ``model_vocab`` was left at its preset's value (``preset_vocab``) and the tokenizer is not
+    ``bytes`` (whose 256 ids fit every preset: the gpt-* presets keep GPT-2's 50,257, which
+    their published sizes count); otherwise ``model_vocab`` (the caller checks that the ids
+    fit it)."""
     if model_vocab == preset_vocab and cfg.tokenizer != "bytes":
         return tok_vocab
-    if tok_vocab > model_vocab:
-        raise ValueError(
-            f"model.vocab_size={model_vocab} is not allowed with data.tokenizer="
-            f"{cfg.tokenizer!r}, whose ids need vocab_size {tok_vocab}; allowed: >= {tok_vocab} "
-            f"(or leave model.vocab_size at the preset's {preset_vocab} to follow the tokenizer)"
-        )
     return model_vocab

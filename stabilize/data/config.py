@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stabilize.validate import check_choice, check_positive, check_range
+from stabilize.validate import ConfigError, check_choice, check_positive, check_range
 
 SOURCES = ("embedded", "local", "hub")
 # File suffix -> the datasets packaged builder that reads it.
@@ -19,7 +19,7 @@ def check_int(key: str, value: Any, lo: int = 0, hi: int | None = None) -> None:
     bad_int = isinstance(value, bool) or not isinstance(value, int)
     if bad_int or value < lo or (hi is not None and value > hi):
         allowed = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
-        raise ValueError(f"{key}={value!r} is not allowed; must be {allowed}")
+        raise ConfigError(f"{key}={value!r} is not allowed; must be {allowed}")
 
 
 @dataclass
@@ -78,17 +78,22 @@ class DataConfig:
                 self._check_one_type([*self.paths, *self.val_paths])
         for key in ("paths", "val_paths"):
             if self.source != "local" and getattr(self, key):
-                raise ValueError(
+                raise ConfigError(
                     f"data.{key}={getattr(self, key)!r} is not allowed with data.source="
                     f"{self.source!r}; allowed: [] (read only with data.source='local')"
                 )
-        if (self.source == "hub") != (isinstance(self.name, str) and bool(self.name)):
+        # '???' is Hydra's "must be given" marker (configs/data/hub.yaml): not a name to fetch
+        named = isinstance(self.name, str) and self.name not in ("", "???")
+        if (self.source == "hub") != named:
             allowed = "a dataset name or directory" if self.source == "hub" else "None (hub only)"
-            raise ValueError(f"data.name={self.name!r} is not allowed; allowed: {allowed}")
+            raise ConfigError(
+                f"data.name={self.name!r} is not allowed with data.source={self.source!r}; "
+                f"allowed: {allowed}"
+            )
         for key in ("split", "text_field"):
             value = getattr(self, key)
             if not isinstance(value, str) or not value:
-                raise ValueError(f"data.{key}={value!r} is not allowed; must be a non-empty str")
+                raise ConfigError(f"data.{key}={value!r} is not allowed; must be a non-empty str")
         check_range("data.val_fraction", self.val_fraction, 0.0, 0.5)
         check_positive("data.batch_size", self.batch_size, integer=True)
         check_int("data.seed", self.seed)
@@ -96,7 +101,7 @@ class DataConfig:
         if self.max_chars is not None:
             check_positive("data.max_chars", self.max_chars, integer=True)
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
-            raise ValueError(
+            raise ConfigError(
                 f"data.tokenizer={self.tokenizer!r} is not allowed; must be a non-empty str "
                 "(bytes, bpe, a tokenizer path or a hub name)"
             )
@@ -104,19 +109,19 @@ class DataConfig:
         for key in ("cache_dir", "val_split"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"data.{key}={value!r} is not allowed; allowed: None or a str")
+                raise ConfigError(f"data.{key}={value!r} is not allowed; allowed: None or a str")
 
     @staticmethod
     def _check_paths(key: str, paths: list[str]) -> None:
         if not paths:
-            raise ValueError(
+            raise ConfigError(
                 f"{key}=[] is not allowed; data.source='local' needs files with suffixes "
                 f"{sorted(SUFFIX_BUILDERS)}"
             )
         for p in paths:
             check_choice(f"{key}[{p!r}] suffix", Path(p).suffix.lower(), SUFFIX_BUILDERS)
             if not Path(p).is_file():
-                raise ValueError(f"{key}={paths!r} is not allowed; no such file: {p!r}")
+                raise ConfigError(f"{key}={paths!r} is not allowed; no such file: {p!r}")
         DataConfig._check_one_type(paths, key)
 
     @staticmethod
@@ -124,7 +129,7 @@ class DataConfig:
         builders = {SUFFIX_BUILDERS[Path(p).suffix.lower()] for p in paths}
         if len(builders) > 1:
             suffixes = sorted({Path(p).suffix.lower() for p in paths})
-            raise ValueError(
+            raise ConfigError(
                 f"{key}={paths!r} is not allowed: it mixes file types {suffixes}; "
                 "allowed: files of one type (.txt/.text, .jsonl/.json or .parquet)"
             )

@@ -16,7 +16,7 @@ from typing import Any
 import datasets
 
 from stabilize.data.config import SUFFIX_BUILDERS, DataConfig
-from stabilize.validate import check_choice
+from stabilize.validate import ConfigError, check_choice
 
 # Between documents in the token stream, and what a .txt file's paragraphs are split on.
 DOC_SEPARATOR = "\n\n"
@@ -29,14 +29,14 @@ def _is_text(feature: Any) -> bool:
 def require_column(ds: datasets.Dataset, text_field: str) -> None:
     """A clear error when the corpus has no ``text_field`` column, or one that is not text."""
     if text_field not in ds.column_names:
-        raise ValueError(
+        raise ConfigError(
             f"data.text_field={text_field!r} is not a column of the corpus; "
             f"columns present: {ds.column_names}"
         )
     feature = ds.features[text_field]
     if not _is_text(feature):
         texts = [c for c in ds.column_names if _is_text(ds.features[c])]
-        raise ValueError(
+        raise ConfigError(
             f"data.text_field={text_field!r} is not allowed: that column holds {feature}, not "
             f"text; allowed: the text columns {texts}"
         )
@@ -119,7 +119,7 @@ def _load_files(cfg: DataConfig, paths: list[str], key: str) -> datasets.Dataset
     # empty files hold no documents, so they are left out, and none at all is an empty corpus.
     files = [p for p in paths if os.path.getsize(p) > 0]
     if not files:
-        raise ValueError(
+        raise ConfigError(
             f"{key}={paths!r} is not allowed: the corpus is empty (every file has 0 bytes); "
             "allowed: files with at least one non-empty document"
         )

@@ -20,7 +20,7 @@ from stabilize.data.corpus import load_corpus
 from stabilize.data.packing import PackedBlocks, StepTagged, split_stream
 from stabilize.data.sampler import StepSampler
 from stabilize.data.tokenizer import Tokenizer, token_byte_counts, tokenize
-from stabilize.validate import check_positive
+from stabilize.validate import ConfigError, check_positive
 
 
 def token_stream(cfg: DataConfig, tokenizer: Tokenizer) -> torch.Tensor:
@@ -62,7 +62,7 @@ def build_dataloaders(
         val_source = "the validation split has"
     need = block_size + 1
     if len(train_stream) < need:
-        raise ValueError(
+        raise ConfigError(
             f"the corpus is too small: {len(train_stream)} train tokens (of {len(stream)}, "
             f"after holding out data.val_fraction={cfg.val_fraction}); one block of "
             f"block_size={block_size} needs {need}. Use a larger corpus or a smaller block_size."
@@ -73,7 +73,7 @@ def build_dataloaders(
     n_val = n_val if val_batches is None else min(n_val, val_batches)
     if (cfg.val_fraction > 0 or own_val is not None) and val_batches != 0 and n_val < world_size:
         # A rank with no val batch would never join the epoch-end metric reduction.
-        raise ValueError(
+        raise ConfigError(
             f"{val_source} {len(val_stream)} val tokens, "
             f"{n_val} batches of blocks of {need}; world_size={world_size} ranks need "
             "one each. Raise data.val_fraction or set it to 0."

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from stabilize.validate import ConfigError
+
 CHUNK = 1 << 24  # 16 MiB reads for the checksum: a fixed buffer, not the page-cached map
 
 
@@ -27,7 +29,7 @@ def write_tokens(path: Path, pieces: Iterable[np.ndarray], dtype: np.dtype, voca
     with open(path, "wb") as f:
         for piece in pieces:
             if piece.size and (int(piece.min()) < 0 or int(piece.max()) >= vocab):
-                raise ValueError(
+                raise ConfigError(
                     f"token ids in [{int(piece.min())}, {int(piece.max())}] do not fit the "
                     f"tokenizer's vocab_size {vocab}; allowed: ids in [0, {vocab - 1}]"
                 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stabilize.faults.base import fault_class
-from stabilize.validate import check_positive
+from stabilize.validate import ConfigError, check_positive
 
 
 @dataclass
@@ -52,4 +52,13 @@ class FaultConfig:
         check_positive("fault.cross", self.cross)
         if self.channels is not None:
             check_positive("fault.channels", self.channels, integer=True)
+        # The upper bounds (max_steps, the world size) are checked where they are known:
+        # RunConfig and the start-up checks (stabilize/lit/preflight.py).
+        if self.rank is not None and (
+            isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0
+        ):
+            raise ConfigError(
+                f"fault.rank={self.rank!r} is not allowed; allowed: null (every rank) or a "
+                "rank in [0, world size)"
+            )
         cls.validate(self)

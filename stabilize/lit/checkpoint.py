@@ -1,14 +1,20 @@
-"""Checkpoints that a crash cannot corrupt, and finding the one to resume from."""
+"""Checkpoints that a crash cannot corrupt, named by the model's step, and finding the one
+to resume from (verified, with a fallback when the newest is damaged or missing)."""
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+import torch
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from stabilize.io import atomic_torch_save
+from stabilize.io import DamagedFile, atomic_torch_save, verify
+
+LAST = "last.ckpt"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -20,48 +26,128 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def resolve_resume(resume: str, run_dir: str | os.PathLike) -> str | None:
-    """``none`` -> None; ``auto`` -> the run dir's last.ckpt if there is one; else a path."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        last = checkpoint_dir(run_dir) / "last.ckpt"
-        return str(last) if last.exists() else None
-    if not Path(resume).is_file():
-        raise ValueError(
-            f"resume={resume!r} is not allowed: no such checkpoint file; "
-            f"allowed: 'none', 'auto' or a path to a .ckpt file"
-        )
-    return resume
+def step_path(run_dir: str | os.PathLike, model_step: int) -> Path:
+    return checkpoint_dir(run_dir) / f"step-{model_step:06d}.ckpt"
 
 
-class PeriodicCheckpoint(ModelCheckpoint):
-    """Every ``every`` optimizer steps ``step-NNNNNN.ckpt`` + ``last.ckpt``; at the end of
-    training ``last.ckpt`` again if the final step was not a multiple (nothing is lost when a
+def warn(message: str) -> None:
+    """One line on stderr, from rank 0 only (every rank takes the same decision)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class PeriodicCheckpoint(Checkpoint):
+    """Every ``every`` model steps ``step-NNNNNN.ckpt`` + ``last.ckpt``; at the end of
+    training ``last.ckpt`` again if the final step was not saved yet (nothing is lost when a
     run ends or is stopped between two periodic saves); only the newest ``keep`` periodic
     files are kept (-1: all).
 
-    No ``monitor``: with one, Lightning defers the save of an epoch's last batch to a
-    validation that may never come, and the final checkpoint silently goes missing.
+    Names use ``model_step`` (it rewinds on rollback), not Lightning's ``global_step`` (it
+    never does), so ``step-000040.ckpt`` holds model step 40 (issue 12, item 10). A rollback
+    replays steps: the replayed step's checkpoint overwrites the earlier one of the same
+    name (atomically, ``atomic_torch_save``), because the replay is the trajectory the run
+    goes on with.
+
+    This owns its file names instead of subclassing ``ModelCheckpoint``: that one keeps
+    ``last_model_path`` in its state and forgets it when the checkpoint directory moves (a
+    moved or copied run dir), after which its version counter writes ``last-v1.ckpt`` beside
+    the ``last.ckpt`` that resume reads (issue 12, item 1). Here the names are fixed and
+    nothing about paths is stored. Being a ``Checkpoint``, Lightning runs it after every
+    other callback, so a step that ends in a rollback is saved as restored.
     """
 
     def __init__(self, run_dir: str | os.PathLike, every: int, keep: int = -1):
-        super().__init__(
-            dirpath=checkpoint_dir(run_dir),
-            filename="step-{step:06d}",
-            auto_insert_metric_name=False,
-            every_n_train_steps=every,
-            save_top_k=-1,
-            save_last=True,
-        )
+        self.run_dir = Path(run_dir)
+        self.dirpath = checkpoint_dir(run_dir)
+        self.every = every
         self.keep = keep
+        self._seen: int | None = None  # model step at the previous batch end
+        self._saved: tuple[int, int] | None = None  # (model, global) step of the last save
 
-    def on_train_batch_end(self, trainer, *args, **kwargs):
-        super().on_train_batch_end(trainer, *args, **kwargs)
-        if self.keep > 0 and trainer.is_global_zero:
-            for old in sorted(Path(self.dirpath).glob("step-*.ckpt"))[: -self.keep]:
-                old.unlink()
+    def on_train_start(self, trainer, pl_module):
+        self._seen = pl_module.model_step
+
+    def on_train_batch_end(self, trainer, pl_module, *args, **kwargs):
+        step = pl_module.model_step
+        moved, self._seen = step != self._seen, step  # an optimizer step, or a rollback
+        if moved and step % self.every == 0:
+            # last.ckpt first: a kill between the two writes leaves last.ckpt the newest
+            # file, never older than a step-*.ckpt beside it (resume reads last.ckpt first)
+            self._save_last(trainer, pl_module)
+            trainer.save_checkpoint(step_path(self.run_dir, step))
+            if self.keep > 0 and trainer.is_global_zero:
+                for old in sorted(self.dirpath.glob("step-*.ckpt"))[: -self.keep]:
+                    old.unlink()
 
     def on_train_end(self, trainer, pl_module):
-        if self._last_global_step_saved != trainer.global_step:
-            trainer.save_checkpoint(Path(self.dirpath) / "last.ckpt")
+        if self._saved != (pl_module.model_step, trainer.global_step):
+            self._save_last(trainer, pl_module)
+
+    def _save_last(self, trainer, pl_module) -> None:
+        trainer.save_checkpoint(self.dirpath / LAST)
+        self._saved = (pl_module.model_step, trainer.global_step)
+
+
+def newest_intact(ckpt_dir: Path, say: Callable[[str], None] = warn) -> Path | None:
+    """``last.ckpt`` if it verifies, else the newest ``step-*.ckpt`` that does (saying
+    which file was passed over and why); None when there are no checkpoints at all.
+
+    Raises ``ValueError`` (one line, naming the files) when checkpoints exist but none is
+    intact: a run never silently starts again from step 0 beside its checkpoints."""
+    last = ckpt_dir / LAST
+    steps = sorted(ckpt_dir.glob("step-*.ckpt"), reverse=True)  # newest model step first
+    candidates = ([last] if last.exists() else []) + steps
+    if not candidates:
+        return None
+    passed = [] if last.exists() else [f"{last} is missing"]
+    for path in candidates:
+        try:
+            checked = verify(path)
+        except (DamagedFile, OSError) as e:
+            passed.append(str(e))
+            continue
+        for why in passed:
+            say(f"{why}; resuming from {path} instead")
+        if not checked:
+            say(f"{path} has no checksum (written by an older version): resuming unverified")
+        return path
+    names = ", ".join(p.name for p in candidates)
+    raise ValueError(
+        f"no intact checkpoint in {ckpt_dir} ({names}): {'; '.join(passed)}; allowed: "
+        f"resume=PATH to a checkpoint you trust, or resume=restart to start over"
+    )
+
+
+def resolve_resume(resume: str, run_dir: str | os.PathLike) -> str | None:
+    """``none`` / ``restart`` -> None; ``auto`` -> the newest intact checkpoint of the run
+    dir (``newest_intact``), None if it has none; else a path, which must verify."""
+    if resume in ("none", "restart"):
+        return None
+    if resume == "auto":
+        path = newest_intact(checkpoint_dir(run_dir))
+        return None if path is None else str(path)
+    if not Path(resume).is_file():
+        raise ValueError(
+            f"resume={resume!r} is not allowed: no such checkpoint file; "
+            f"allowed: 'none', 'auto', 'restart' or a path to a .ckpt file"
+        )
+    try:
+        checked = verify(resume)
+    except DamagedFile as e:
+        raise ValueError(f"resume={resume!r} is not allowed: {e}") from None
+    if not checked:
+        warn(f"{resume} has no checksum (written by an older version): resuming unverified")
+    return resume
+
+
+def checkpoint_steps(path: str | os.PathLike) -> tuple[int, int]:
+    """(model step, Lightning global step) stored in a checkpoint, without reading its
+    tensors (memory-mapped). ``ValueError`` naming the file when it is not one of ours."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return int(ckpt["stabilize"]["model_step"]), int(ckpt.get("global_step", 0))
+    except Exception as e:
+        raise ValueError(
+            f"resume: {path} is not a stabilize checkpoint ({type(e).__name__}: {e}); "
+            f"allowed: a .ckpt written by stabilize-train"
+        ) from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from stabilize.data import DataConfig, model_vocab_size
+from stabilize.data import DEFAULT_TOKENIZER, DataConfig, choose_tokenizer, follow_vocab
 from stabilize.faults import FaultConfig
 from stabilize.model import GPTConfig
 from stabilize.model.config import PRESETS
@@ -17,6 +17,7 @@ from stabilize.monitors import MonitorConfig
 from stabilize.norms import NormConfig
 from stabilize.rollback import RollbackConfig
 from stabilize.validate import (
+    ConfigError,
     build_dataclass,
     check_choice,
     check_positive,
@@ -132,12 +133,21 @@ class AuditConfig:
         check_positive("audit.batches", self.batches, integer=True)
 
 
+def check_vocab(vocab_size: int, tokenizer_vocab: int, tokenizer: str) -> None:
+    """``model.vocab_size`` holds every id of the tokenizer (ids 0 .. tokenizer_vocab - 1)."""
+    if vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is not allowed with the {tokenizer!r} tokenizer "
+            f"(ids 0 .. {tokenizer_vocab - 1}); allowed: >= {tokenizer_vocab}"
+        )
+
+
 @dataclass
 class RunConfig:
     name: str = "default"  # the experiment's name
     arm: str | None = None  # a scenario's variant (configs/arm/), for reports and W&B
     run_dir: str = "runs/default"
-    resume: str = "none"  # none | auto (the run dir's last.ckpt, if any) | a checkpoint path
+    resume: str = "none"  # none | auto (newest intact checkpoint) | restart | a .ckpt path
     seed: int = 1234
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -158,44 +168,69 @@ class RunConfig:
             ("precision", PrecisionConfig),
             ("trainer", TrainerConfig),
             ("logger", LoggerConfig),
-            ("monitor", MonitorConfig),
             ("rollback", RollbackConfig),
             ("fault", FaultConfig),
             ("audit", AuditConfig),
         ):
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
-        # The model's vocabulary follows data.tokenizer unless set (issue 14): refused here,
-        # before anything is written, if the tokenizer's ids do not fit it.
-        preset = PRESETS.get(self.model.name, {}).get("vocab_size", GPTConfig.vocab_size)
-        vocab = model_vocab_size(self.data, self.model.vocab_size, preset)
-        if vocab != self.model.vocab_size:
-            self.model = replace(self.model, vocab_size=vocab)
+        # one section per registered monitor (stabilize/monitors/registry.py), not a dataclass
+        self.monitor = MonitorConfig.build(self.monitor, "monitor")
 
         if self.rollback.enabled and self.optim.accumulate_grad_batches > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"optim.accumulate_grad_batches={self.optim.accumulate_grad_batches} is not "
                 f"allowed with rollback.enabled=true yet (a rollback mid-window would misalign "
                 f"the accumulation windows); allowed: 1, or rollback=off"
             )
         if self.fault.kind == "activation_drift" and not 0 <= self.fault.layer < self.model.n_layer:
-            raise ValueError(
+            raise ConfigError(
                 f"fault.layer={self.fault.layer} is not allowed with model.n_layer="
                 f"{self.model.n_layer}; allowed: 0 .. {self.model.n_layer - 1}"
             )
         if self.trainer.compile and self.fault.kind == "activation_drift":
-            raise ValueError(
+            raise ConfigError(
                 "trainer.compile=true is not allowed with fault.kind='activation_drift' (its "
                 "factor changes every step and would recompile the model every step)"
             )
         red = self.model.norm.reduction_dtype
         sixteen = red in ("bf16", "fp16") or (red == "input" and self.precision.name == "bf16-true")
         if self.trainer.compile and sixteen:
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.compile=true is not allowed with norm.reduction_dtype={red!r} "
                 f"(precision={self.precision.name!r}): inductor computes 16-bit math in fp32, "
                 f"so the reduction would silently not be 16-bit; allowed with compile: "
                 f"['fp32', 'input' with fp32 activations]"
             )
+        self._check_fault_fires()
+        self._check_vocab()
+
+    def _check_fault_fires(self) -> None:
+        """A fault drill that cannot fire is refused, not silently skipped (issue 12, item 5):
+        its step must be one the run reaches. (The rank is checked against the world size
+        at start-up, ``lit/preflight.py``; the parameter against the model's names there.)"""
+        if self.fault.kind != "none" and self.fault.step > self.trainer.max_steps:
+            raise ConfigError(
+                f"fault.step={self.fault.step} is not allowed with trainer.max_steps="
+                f"{self.trainer.max_steps} (the fault would never fire); allowed: 1 .. "
+                f"{self.trainer.max_steps}"
+            )
+
+    def tokenizer_name(self) -> str:
+        """The tokenizer the data pipeline encodes with (a ``data.tokenizer`` setting, when
+        the data config has one; the byte tokenizer otherwise)."""
+        return getattr(self.data, "tokenizer", None) or DEFAULT_TOKENIZER
+
+    def _check_vocab(self) -> None:
+        """Every token id must be an embedding row (else an IndexError at the first forward).
+        ``model.vocab_size`` left at its preset's value follows ``data.tokenizer`` (issue 14,
+        ``stabilize.data.follow_vocab``); otherwise it must hold the tokenizer's ids, refused
+        here, before anything is written, naming both numbers (``check_vocab``)."""
+        tok_vocab = choose_tokenizer(self.data).vocab_size
+        preset = PRESETS.get(self.model.name, {}).get("vocab_size", GPTConfig.vocab_size)
+        vocab = follow_vocab(self.data, self.model.vocab_size, preset, tok_vocab)
+        if vocab != self.model.vocab_size:
+            self.model = replace(self.model, vocab_size=vocab)
+        check_vocab(self.model.vocab_size, tok_vocab, self.tokenizer_name())
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
@@ -205,7 +240,7 @@ class RunConfig:
         allowed = list(cls.__dataclass_fields__) + ["norm"]
         unknown = sorted(set(values) - set(allowed))
         if unknown:
-            raise ValueError(f"{unknown[0]} is not a known setting; allowed: {allowed}")
+            raise ConfigError(f"{unknown[0]} is not a known setting; allowed: {allowed}")
         if "norm" in values:
             model = dict(values.get("model") or {})
             model["norm"] = build_dataclass(NormConfig, values.pop("norm"), "norm")
@@ -216,4 +251,5 @@ class RunConfig:
         """The full resolved config, ``norm`` at the top level again (for loggers)."""
         d = asdict(self)
         d["norm"] = d["model"].pop("norm")
+        d["monitor"] = self.monitor.to_dict()
         return d

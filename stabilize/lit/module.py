@@ -21,7 +21,8 @@ from torch import nn
 from stabilize.data import bits_per_byte, build_dataloaders
 from stabilize.lit.config import OptimConfig, RunConfig
 from stabilize.model import GPT
-from stabilize.norms import Norm, set_reduction_dtype
+from stabilize.norms import Norm
+from stabilize.rollback import reapply_remedies
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -318,5 +319,5 @@ class GPTLitModule(L.LightningModule):
         self.data_step = state["data_step"]
         self.lr_scale = state.get("lr_scale", 1.0)
         self.remedies = list(state.get("remedies", []))
-        if "fp32_reduction" in self.remedies:  # not in the state dict: re-apply
-            set_reduction_dtype(self.model, "fp32")
+        # what the state dict does not hold (fp32_reduction's norm switch): re-applied
+        reapply_remedies(self, self.remedies)

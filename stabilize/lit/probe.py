@@ -26,10 +26,14 @@ import torch
 from torch import nn
 
 from stabilize.cpu_kernels import absmax_into
-from stabilize.norms import Norm
+from stabilize.norms import Norm, get_norm_type
 
 
 class StabilityProbe:
+    # Series measured on detailed steps only (``reset(detailed=...)``): the log steps, or
+    # every step when a monitor declares it among its ``needs``.
+    DETAILED_ONLY = frozenset({"attn_logit"})
+
     def __init__(self, model: nn.Module, lead: int = 0):
         self.model = model
         self.lead = lead
@@ -144,7 +148,8 @@ class StabilityProbe:
         with torch.no_grad():
             rowmax = torch.maximum(x.amax(-1), -x.amin(-1))  # [...]; NaN propagates
             bad = torch.isinf(ms.squeeze(-1))
-            mean_sq = ms.float().amax() / (x.shape[-1] if kind == "scalenorm" else 1)
+            # the type says how its statistic reads as a mean square (ScaleNorm's is a sum)
+            mean_sq = get_norm_type(kind).mean_square(ms.float().amax(), x.shape[-1])
             for k, v in (
                 (self._o_norm + j, rowmax.amax().float()),
                 (self._o_rms + j, mean_sq.sqrt()),

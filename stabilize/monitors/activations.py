@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 from stabilize.monitors.events import ROLLBACK, WARN, Event, StepStats
 from stabilize.numerics import DANGER_LINE
+from stabilize.validate import check_choice, check_positive
 
 _PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # W -> (i, j, j - i)
 
@@ -48,7 +50,49 @@ def theil_sen_slope(y: np.ndarray) -> np.ndarray:
     return (slopes[:, k - 1] + slopes[:, k]) / 2
 
 
+@dataclass
+class ActivationConfig:
+    """``monitor.activation``: the |x| max line, its forecast and norm overflows."""
+
+    enabled: bool = True
+    """Run this monitor."""
+    threshold: float = 256.0
+    """The |x| max line: the fp16 square-overflow line (256^2 > 65504)."""
+    horizon: int = 100
+    """Forecast warning: the crossing is expected within this many steps."""
+    window: int = 32
+    """Steps in the forecast's robust (Theil-Sen) fit."""
+    forecast_min: float = 8.0
+    """No forecast warning below this |x| max (early training noise)."""
+    forecast_every: int = 10
+    """Refit the forecast every N steps."""
+    on_overflow: str = "warn"
+    """warn | rollback, when a norm's reduction overflows."""
+
+    def __post_init__(self):
+        check_positive("monitor.activation.threshold", self.threshold)
+        check_positive("monitor.activation.horizon", self.horizon, integer=True)
+        check_positive("monitor.activation.window", self.window, integer=True)
+        check_positive("monitor.activation.forecast_min", self.forecast_min)
+        check_positive("monitor.activation.forecast_every", self.forecast_every, integer=True)
+        check_choice("monitor.activation.on_overflow", self.on_overflow, ("warn", "rollback"))
+
+
 class ActivationMonitor:
+    name = "activation"
+    needs = ("act_max", "norm_overflow", "norm_collapsed")
+
+    @classmethod
+    def from_config(cls, name: str, c: ActivationConfig) -> ActivationMonitor:
+        return cls(
+            c.threshold,
+            c.horizon,
+            c.window,
+            on_overflow=c.on_overflow,
+            forecast_min=c.forecast_min,
+            forecast_every=c.forecast_every,
+        )
+
     def __init__(
         self,
         threshold: float = DANGER_LINE,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # Severity order: a step's verdict is its most severe event.
@@ -50,3 +50,18 @@ class StepStats:
     norm_collapsed: dict[str, float] = field(default_factory=dict)  # norm -> dead rows
     norm_rms_max: dict[str, float] = field(default_factory=dict)  # norm -> largest row RMS
     attn_logit: dict[str, float] = field(default_factory=dict)  # block -> logit upper bound
+
+
+# What a monitor may declare in ``needs``: every StepStats field but the step.
+STEP_FIELDS = tuple(f.name for f in fields(StepStats) if f.name != "step")
+
+# The per-layer series of StepStats and the metric prefix each is logged under on log steps
+# (``<prefix>/<layer>``, stabilize/lit/stability/sink.py), in logging order. A new per-layer
+# statistic is a StepStats field, a probe slot that fills it, and a line here.
+SERIES_METRICS = {
+    "act_max": "act",
+    "attn_logit": "attn_logit",
+    "norm_overflow": "overflow",
+    "norm_collapsed": "dead",
+    "norm_rms_max": "rms",
+}

@@ -8,11 +8,46 @@ fault when the scale collapses: below a floor, or too many skips in a row.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from stabilize.monitors.events import ROLLBACK, SKIP, Event, StepStats
+from stabilize.validate import check_positive
+
+
+@dataclass
+class NonFiniteConfig:
+    """``monitor.nonfinite``: written as a bare bool in the YAML (``nonfinite: true``)."""
+
+    enabled: bool = True
+    """Roll back on a non-finite loss, or gradient norm outside fp16 (the scaler's case)."""
+
+
+@dataclass
+class LossScaleConfig:
+    """``monitor.loss_scale``: fp16 loss-scale collapse."""
+
+    enabled: bool = True
+    """Run this monitor (it is silent without a GradScaler)."""
+    floor: float = 1.0
+    """A loss scale below this is a collapse: roll back."""
+    max_consecutive_skips: int = 10
+    """More scaler skips in a row than this: roll back."""
+
+    def __post_init__(self):
+        check_positive("monitor.loss_scale.floor", self.floor)
+        check_positive(
+            "monitor.loss_scale.max_consecutive_skips", self.max_consecutive_skips, integer=True
+        )
 
 
 class NonFiniteMonitor:
+    name = "nonfinite"
+    needs = ("loss", "grad_norm", "loss_scale")
+
+    @classmethod
+    def from_config(cls, name: str, c: NonFiniteConfig) -> NonFiniteMonitor:
+        return cls()
+
     def update(self, stats: StepStats) -> list[Event]:
         if not math.isfinite(stats.loss):
             return [
@@ -45,6 +80,13 @@ class NonFiniteMonitor:
 
 
 class LossScaleMonitor:
+    name = "loss_scale"
+    needs = ("loss_scale", "scaler_skipped")
+
+    @classmethod
+    def from_config(cls, name: str, c: LossScaleConfig) -> LossScaleMonitor:
+        return cls(c.floor, c.max_consecutive_skips)
+
     def __init__(self, floor: float = 1.0, max_consecutive_skips: int = 10):
         self.floor, self.max_skips = floor, max_consecutive_skips
         self.consecutive = 0

@@ -14,8 +14,10 @@ import bisect
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass
 
-from stabilize.monitors.events import ROLLBACK, Event
+from stabilize.monitors.events import ROLLBACK, WARN, Event, StepStats
+from stabilize.validate import check_choice, check_positive
 
 MAD_TO_SIGMA = 1.4826
 
@@ -92,3 +94,55 @@ class SpikeDetector:
     def load_state_dict(self, state: dict) -> None:
         self.values = deque(state["values"], maxlen=self.window)
         self._sorted = sorted(self.values)
+
+
+@dataclass
+class SpikeConfig:
+    """``monitor.grad_spike`` / ``monitor.loss_spike``: one spike detector on one series."""
+
+    enabled: bool = True
+    """Run this monitor."""
+    window: int = 100
+    """Steps in the rolling median/MAD window."""
+    warmup: int = 20
+    """No verdict before the window holds this many values."""
+    threshold: float = 6.0
+    """Robust z-score (median/MAD) above which a value is a spike ..."""
+    min_ratio: float = 1.5
+    """... and only when value > min_ratio x median."""
+    action: str = "rollback"
+    """warn | rollback: the event a spike raises."""
+
+    def __post_init__(self):
+        for k in ("window", "warmup"):
+            check_positive(f"monitor.spike.{k}", getattr(self, k), integer=True)
+        check_positive("monitor.spike.threshold", self.threshold)
+        check_positive("monitor.spike.min_ratio", self.min_ratio)
+        check_choice("monitor.spike.action", self.action, ("warn", "rollback"))
+
+
+class SpikeMonitor:
+    """A ``SpikeDetector`` on one scalar StepStats series (``grad_norm``, ``loss``)."""
+
+    def __init__(self, detector: SpikeDetector, series: str):
+        self.detector, self.series = detector, series
+        self.name = detector.name
+        self.needs = (series,)
+
+    @classmethod
+    def from_config(cls, name: str, c: SpikeConfig, *, series: str) -> SpikeMonitor:
+        kind = ROLLBACK if c.action == "rollback" else WARN
+        return cls(SpikeDetector(name, c.window, c.warmup, c.threshold, c.min_ratio, kind), series)
+
+    @property
+    def kind(self) -> str:
+        return self.detector.kind
+
+    def update(self, stats: StepStats) -> list[Event]:
+        return self.detector.update(stats.step, getattr(stats, self.series))
+
+    def state_dict(self) -> dict:
+        return self.detector.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.detector.load_state_dict(state)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from stabilize.exits import EXIT_CONFIG, one_line
 from stabilize.lit.config import RunConfig
 from stabilize.paths import config_dir
 from stabilize.plan.hardware import GB, PlanConfig, parse_plan_overrides
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, rest = parse_plan_overrides(args)
         cfg = compose_run(rest)
     except (ValueError, HydraException, OmegaConfBaseException) as e:
-        print(f"stabilize-plan: {e}", file=sys.stderr)
-        return 1
+        print(f"stabilize-plan: {one_line(str(e))}", file=sys.stderr)
+        return EXIT_CONFIG
     print(render(cfg, plan))
     return 0

@@ -4,7 +4,8 @@
     stabilize-report --wandb ENTITY/PROJECT --group G [--out DIR]
 
 Writes DIR/report.md (default: the common parent of the run dirs) with one table row per
-run, the chain of events, the conclusions its numbers support, and PNG plots beside it.
+run, the chain of events, PNG plots beside it (x: the model's step), and for a scenario's
+arms the conclusions its numbers support, for a sweep a table keyed by the swept values.
 """
 
 from __future__ import annotations
@@ -16,11 +17,22 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from stabilize.report.chain import chain
 from stabilize.report.load import Run, load_run_dir, load_wandb
+from stabilize.report.naming import arm_names, is_scenario, swept
 from stabilize.report.plots import make_plots
-from stabilize.report.summary import conclusions, summarize, table
+from stabilize.report.summary import COMPARE, ArmSummary, compare_row, conclusions, summarize, table
 
-__all__ = ["Run", "load_run_dir", "load_wandb", "summarize", "write_report", "main"]
+__all__ = [
+    "Run",
+    "arm_names",
+    "chain",
+    "load_run_dir",
+    "load_wandb",
+    "summarize",
+    "write_report",
+    "main",
+]
 
 
 def _md_table(rows: list[list]) -> str:
@@ -30,34 +42,41 @@ def _md_table(rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def _chain(run: Run, limit: int = 12) -> list[str]:
-    """The first occurrence of each kind of event, in order: the story as it happened."""
-    seen, out = set(), []
-    for e in run.events:
-        key = (e.get("monitor"), e.get("kind"))
-        if key in seen or e.get("kind") == "info":
-            continue
-        seen.add(key)
-        msg = e.get("message") or f"{e.get('monitor')} {e.get('layer') or ''}".strip()
-        out.append(f"step {e.get('step')}: **{e.get('kind')}** ({e.get('monitor')}) {msg}")
-        if len(out) >= limit:
-            break
-    return out
+def _comparison(runs: list[Run], arms: list[ArmSummary]) -> list[str]:
+    """A sweep's table: one row per member, keyed by its swept values."""
+    values = swept(runs)
+    keys = list(values[0]) if values else []
+    rows = [[*keys, *COMPARE]]
+    rows += [[*(v[k] for k in keys), *compare_row(a)] for v, a in zip(values, arms, strict=True)]
+    lines = ["## Comparison", "", _md_table(rows), ""]
+    done = [a for a in arms if a.final_loss is not None and a.status == "done"]
+    if len(done) > 1:
+        best = min(done, key=lambda a: a.final_loss)
+        lines += [f"Lowest final training loss: `{best.arm}` ({best.final_loss:.3g}).", ""]
+    return lines
 
 
 def write_report(runs: list[Run], out: Path, title: str = "stabilize report") -> Path:
     out.mkdir(parents=True, exist_ok=True)
+    for r, name in zip(runs, arm_names(runs), strict=True):
+        r.arm = name  # the name says what differs: the arm, or the swept key=value pairs
     arms = [summarize(r) for r in runs]
+    scenario = is_scenario(runs)
     plots = make_plots(runs, out)
     lines = [f"# {title}", ""]
     lines += [
         "Runs: " + ", ".join(f"`{r.arm}` ({r.source})" for r in runs),
         "",
-        "## Per arm",
+    ]
+    if not scenario and len(runs) > 1:
+        lines += _comparison(runs, arms)
+    lines += [
+        "## Per arm" if scenario else "## Per run",
         "",
         _md_table(table(arms)),
         "",
-        "Steps are the model's own steps (a rollback rewinds them). *first |x|>256*: the first "
+        "Steps are the model's own steps (a rollback rewinds them), in the table and on every "
+        "plot's x axis. *first |x|>256*: the first "
         "activation warning; *first overflow*: the first norm whose fp16 sum of squares "
         "overflowed (its rows come out as zeros with a zero gradient: dead tokens); *256 "
         "warning lead*: steps from that warning to the first non-finite value; *loss before*: "
@@ -69,16 +88,29 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
     ]
     if any(not a.exact for a in arms):
         lines += ["`~`: rebuilt from logged metrics (W&B API): as fine as the log interval.", ""]
-    lines += ["## Conclusions", ""]
-    lines += [f"- {c}" for c in conclusions(arms)] or ["- (no run had anything to conclude from)"]
-    lines += ["", "## Plots", ""]
+    if scenario:
+        lines += ["## Conclusions", ""]
+        lines += [f"- {c}" for c in conclusions(arms)] or [
+            "- (no run had anything to conclude from)"
+        ]
+        lines += [""]
+    unreadable = [w for r in runs for w in r.warnings]
+    if unreadable:  # what was skipped, by file and line: the rest is reported above and below
+        lines += ["## Warnings", "", *(f"- {w}" for w in unreadable), ""]
+    lines += ["## Plots", ""]
+    lines += [
+        "x: the model step. Solid: the trajectory the run kept; faded, ending in `x`: an "
+        "attempt a rollback dropped (replayed after it); dotted: a rollback, at the step the "
+        "model rewound to; dashed: the first overflowed fp16 reduction; shaded: steps with "
+        "non-finite values.",
+        "",
+    ]
     for name, p in plots.items():
         lines += [f"![{name}]({p.name})", ""]
-    lines += ["## Chain of events per arm", ""]
+    lines += ["## Chain of events per arm" if scenario else "## Chain of events per run", ""]
     for r in runs:
         lines += [f"### {r.arm}", ""]
-        chain = _chain(r)
-        lines += [f"1. {c}" for c in chain] or ["No events: nothing was flagged."]
+        lines += [f"1. {c}" for c in chain(r)] or ["No events: nothing was flagged."]
         if r.diagnosis:
             lines += ["", f"Diagnosis: {r.diagnosis.get('reason')}"]
         lines += [""]
@@ -121,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             out = out / "report"
     else:
         out = Path("reports") / a.group
+    for r in runs:
+        for w in r.warnings:
+            print(f"stabilize-report: warning: {w}", file=sys.stderr)
     report = write_report(runs, out, a.title)
     print(f"report: {report}")
     return 0

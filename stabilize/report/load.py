@@ -9,7 +9,13 @@
   (``exact_events`` is False and the report marks those cells with ``~``).
 
 Every source yields the same ``Run``: x is the optimizer step taken (monotonic, counting
-rolled-back steps too), as W&B and the CSV log count it.
+rolled-back steps too), as W&B and the CSV log count it; ``report/axis.py`` maps it to the
+model's own step, the one axis the report shows.
+
+Unreadable input never stops the report (issue 12, item 9): a malformed line of
+events.jsonl / audit.jsonl, an unreadable metrics.csv or JSON file is skipped, and a
+warning naming the file (and line) goes to ``Run.warnings`` (listed in report.md and on
+stderr); everything else is still reported.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from stabilize.wandb_offline import find_offline_runs, read_offline_run
+
+# What the report reads of every audit.jsonl record (lit/audit.py writes them all).
+AUDIT_KEYS = ("step", "rel_err_median", "flattened_share", "dead_share")
 
 
 @dataclass
@@ -36,6 +45,11 @@ class Run:
     diagnosis: dict[str, Any] | None = None
     exact_events: bool = True
     source: str = ""
+    # the command-line overrides Hydra recorded (.hydra/overrides.yaml); None when the run
+    # was composed in code or read from W&B (the report then compares configs instead)
+    overrides: list[str] | None = None
+    # what could not be read, by file and line ("events.jsonl:7: not JSON ...")
+    warnings: list[str] = field(default_factory=list)
 
     def series(self, key: str) -> list[tuple[float, float]]:
         """[(x, value)] of one metric, in logging order."""
@@ -52,33 +66,91 @@ def _num(v: Any) -> float | None:
         return None
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+MAX_WARNINGS_PER_FILE = 5  # then one line counts the rest: a garbled file does not flood
+
+
+def _warn_lines(warnings: list[str], path: Path, bad: list[tuple[int, str]]) -> None:
+    """``path:line: problem`` for the first few bad lines of a file, then a count."""
+    for line, problem in bad[:MAX_WARNINGS_PER_FILE]:
+        warnings.append(f"{path}:{line}: {problem}; line skipped")
+    if len(bad) > MAX_WARNINGS_PER_FILE:
+        warnings.append(f"{path}: {len(bad) - MAX_WARNINGS_PER_FILE} more bad lines skipped")
+
+
+def _jsonl(path: Path, warnings: list[str], required: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The records of a .jsonl file; a line that is not a JSON object with the ``required``
+    keys (a step that is a number) is skipped with a warning naming the file and line."""
     if not path.exists():
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a crash: the rest still counts
-                continue
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        warnings.append(f"{path}: unreadable ({e.strerror or e}); skipped")
+        return []
+    out, bad = [], []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:  # e.g. a line cut by a crash: the rest still counts
+            bad.append((i, f"not JSON ({e.msg})"))
+            continue
+        missing = [k for k in required if not isinstance(rec, dict) or k not in rec]
+        if missing:
+            bad.append((i, f"no {missing!r}" if isinstance(rec, dict) else "not a JSON object"))
+        elif "step" in required and _num(rec["step"]) is None:
+            bad.append((i, f"step={rec['step']!r} is not a number"))
+        elif not isinstance(rec.get("extra") or {}, dict):
+            bad.append((i, f"extra={rec['extra']!r} is not an object"))
+        else:
+            out.append(rec)
+    _warn_lines(warnings, path, bad)
     return out
 
 
-def _csv_rows(run_dir: Path) -> list[dict[str, float]]:
-    versions = sorted((run_dir / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[-1]))
+def _json(path: Path, warnings: list[str]) -> Any:
+    """A JSON file's content; None when it is missing, or (with a warning) unreadable."""
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        warnings.append(f"{path}: unreadable ({e}); ignored")
+        return None
+
+
+def _version(p: Path) -> int:
+    n = p.name.split("_")[-1]
+    return int(n) if n.isdigit() else -1
+
+
+def _csv_rows(run_dir: Path, warnings: list[str]) -> list[dict[str, float]]:
+    """Every launch's metrics.csv, in order. A row with undecodable bytes is skipped with a
+    warning naming the file and line; a file the csv reader gives up on keeps the rows read
+    before the damage."""
     rows = []
-    for v in versions:
+    for v in sorted((run_dir / "csv").glob("version_*"), key=_version):
         f = v / "metrics.csv"
         if not f.exists():
             continue
-        with open(f, newline="") as fh:
-            for row in csv.DictReader(fh):
-                r = {k: x for k, x in ((k, _num(x)) for k, x in row.items()) if x is not None}
-                if "step" in r:
-                    # Lightning logs at the step count before this step's increment
-                    r["x"] = r["step"] + 1
-                    rows.append(r)
+        bad: list[tuple[int, str]] = []
+        try:
+            with open(f, newline="", errors="replace") as fh:
+                reader = csv.DictReader(fh)
+                for row in reader:
+                    cells = [*row.values(), *(row.get(None) or [])]
+                    if any(isinstance(c, str) and "\ufffd" in c for c in cells):
+                        bad.append((reader.line_num, "undecodable bytes"))
+                        continue
+                    r = {k: x for k, x in ((k, _num(x)) for k, x in row.items()) if x is not None}
+                    if "step" in r:
+                        # Lightning logs at the step count before this step's increment
+                        r["x"] = r["step"] + 1
+                        rows.append(r)
+        except (OSError, csv.Error) as e:
+            warnings.append(f"{f}: unreadable ({e}); the rest of the file skipped")
+        _warn_lines(warnings, f, bad)
     return rows
 
 
@@ -100,40 +172,55 @@ def _arm(config: dict[str, Any], fallback: str) -> str:
     return str(config.get("arm") or fallback)
 
 
+def _overrides(run_dir: Path) -> list[str] | None:
+    """What the user typed for this run (a sweep member: its one value of each swept key)."""
+    f = run_dir / ".hydra" / "overrides.yaml"
+    if not f.exists():
+        return None
+    import yaml
+
+    data = yaml.safe_load(f.read_text()) or []
+    return [str(o) for o in data] if isinstance(data, list) else None
+
+
 def load_run_dir(path: str | Path) -> Run:
     """One local run directory (as stabilize-train writes it)."""
     d = Path(path)
     if not d.is_dir():
         raise FileNotFoundError(f"run dir {str(d)!r} does not exist")
-    cfg_file = d / "config.json"
-    config = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
-    rows, source = _csv_rows(d), "csv"
+    warnings: list[str] = []
+    config = _json(d / "config.json", warnings)
+    config = config if isinstance(config, dict) else {}
+    rows, source = _csv_rows(d, warnings), "csv"
     if not rows:
         offline = find_offline_runs(d / "wandb")
         if offline:
             w = read_offline_run(offline[-1])
             rows, source = _history_rows(w.history), "wandb-offline"
             config = config or w.config
-    if not rows and not config:
+    events = _jsonl(d / "events.jsonl", warnings, ("kind", "monitor", "step"))
+    if not rows and not config and not events:
         raise ValueError(
             f"{str(d)!r} is not a stabilize run dir: no config.json, no csv/ log, no wandb/ "
-            f"offline run"
+            f"offline run, no events.jsonl"
         )
-    result = d / "result.json"
-    status = (
-        json.loads(result.read_text()).get("status", "unknown") if result.exists() else "unknown"
-    )
-    diag = d / "diagnosis.json"
+    if not rows:
+        warnings.append(f"{d}: no metric rows (csv/ or wandb/); the table shows events only")
+    result = _json(d / "result.json", warnings)
+    status = result.get("status", "unknown") if isinstance(result, dict) else "unknown"
+    diag = _json(d / "diagnosis.json", warnings)
     return Run(
         name=d.name,
         arm=_arm(config, d.name),
         config=config,
         rows=rows,
-        events=_jsonl(d / "events.jsonl"),
-        audits=_jsonl(d / "audit.jsonl"),
-        status=status,
-        diagnosis=json.loads(diag.read_text()) if diag.exists() else None,
+        events=events,
+        audits=_jsonl(d / "audit.jsonl", warnings, AUDIT_KEYS),
+        status=str(status),
+        diagnosis=diag if isinstance(diag, dict) else None,
         source=f"{source}: {d}",
+        overrides=_overrides(d),
+        warnings=warnings,
     )
 
 

@@ -1,8 +1,10 @@
 """The report's PNG plots: one figure per question, every arm on it.
 
-x is the optimizer step taken (rolled-back steps included, so it never runs backwards);
-rollbacks are marked with a vertical dotted line in the arm's colour, the first overflowed
-reduction with a dashed one.
+x is the model's own step, as in the table (``report/axis.py``): the kept trajectory is a
+solid line, an attempt a rollback dropped is a faded piece from the restored step to an
+``x`` where it was dropped, and the rollback itself a dotted line at the step the model
+rewound to. Every band, marker and threshold line has a legend entry; no curve takes a
+threshold line's colour.
 """
 
 from __future__ import annotations
@@ -14,105 +16,191 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display here, none needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from stabilize.numerics import FP16_MAX  # noqa: E402
+from stabilize.report.axis import pieces, rewinds  # noqa: E402
 from stabilize.report.load import Run  # noqa: E402
 from stabilize.report.summary import LINE  # noqa: E402
 
+LINE_COLOR = "#d62728"  # the 256 line (red)
+MAX_COLOR = "#000000"  # fp16's max, the loss-scale floor (black)
+THRESHOLD_COLORS = (LINE_COLOR, MAX_COLOR)
+# tab10 without its red and grey: a curve never reads as a threshold or a marker
+PALETTE = [
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#bcbd22",
+    "#17becf",
+]
+MARK = "#555555"  # markers' legend proxies: the style is the meaning, the colour the arm
+XLABEL = "model step (a rollback rewinds it)"
+ROLLBACK_LABEL = "rollback: the model step rewinds to here"
+DROPPED_LABEL = "attempt dropped by a rollback (x: where), then replayed"
+OVERFLOW_LABEL = "first overflowed fp16 reduction (dead tokens)"
+NONFINITE_LABEL = "steps with non-finite values (shaded in the arm's colour)"
+
 
 def _colors(runs: list[Run]) -> dict[str, str]:
-    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return {r.arm: cycle[i % len(cycle)] for i, r in enumerate(runs)}
+    return {r.arm: PALETTE[i % len(PALETTE)] for i, r in enumerate(runs)}
 
 
-def _markers(ax, run: Run, color: str) -> None:
-    for e in run.events:
-        x = e.get("global_step")
-        if x is None:
+def _clean(ys: list[float], log: bool) -> list[float]:
+    """Non-finite values (and non-positive ones on a log axis) are gaps, not bridges."""
+    return [v if math.isfinite(v) and (v > 0 or not log) else math.nan for v in ys]
+
+
+def _draw(ax, run: Run, key: str, color: str, log: bool, lw: float = 1.3, **kw) -> dict:
+    """One run's metric in model steps; returns what was drawn (for the legend)."""
+    got = {"finite": False, "dropped": False, "nonfinite": []}
+    for p in pieces(run, key):
+        ys = _clean(p.ys, log)
+        got["nonfinite"] += [x for x, v in zip(p.xs, p.ys, strict=True) if not math.isfinite(v)]
+        if not any(math.isfinite(y) for y in ys):
             continue
-        if e.get("monitor") == "rollback" and e.get("kind") == "rollback":
-            ax.axvline(x, color=color, ls=":", lw=1, alpha=0.8)
+        got["finite"] = True
+        if p.abandoned:
+            got["dropped"] = True
+            ax.plot(p.xs, ys, color=color, lw=1, alpha=0.5, marker="x", markevery=[len(ys) - 1])
+        else:
+            ax.plot(p.xs, ys, color=color, lw=lw, **kw)
+    return got
+
+
+def _markers(ax, run: Run, color: str, nonfinite: list[int]) -> set[str]:
+    """Rollbacks (dotted, at the restored step), the first overflow (dashed), the non-finite
+    band; returns the legend labels they need."""
+    used = set()
+    for rw in rewinds(run):
+        ax.axvline(rw.to, color=color, ls=":", lw=1.2, alpha=0.9)
+        used.add(ROLLBACK_LABEL)
     first = next((e for e in run.events if e.get("monitor") == "overflow"), None)
-    if first is not None and first.get("global_step") is not None:
-        ax.axvline(first["global_step"], color=color, ls="--", lw=1, alpha=0.6)
+    if first is not None and first.get("step") is not None:
+        ax.axvline(int(first["step"]), color=color, ls="--", lw=1, alpha=0.7)
+        used.add(OVERFLOW_LABEL)
+    for lo, hi in spans(nonfinite):
+        ax.axvspan(lo - 0.5, hi + 0.5, color=color, alpha=0.12, lw=0)
+        used.add(NONFINITE_LABEL)
+    return used
 
 
-def _plot_metric(runs, key, path, title, ylabel, log=False, lines=()) -> Path | None:
+def spans(steps: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive steps: [1, 2, 3, 7] -> [(1, 3), (7, 7)]. One band per run of
+    non-finite steps, so a few scattered skips do not shade the whole plot."""
+    out: list[tuple[int, int]] = []
+    for s in sorted(set(steps)):
+        if out and s <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
+
+
+def _proxies(used: set[str]) -> list:
+    """Legend entries for the markers actually drawn, in a fixed order."""
+    styles = {
+        DROPPED_LABEL: Line2D([], [], color=MARK, lw=1, alpha=0.5, marker="x"),
+        ROLLBACK_LABEL: Line2D([], [], color=MARK, ls=":", lw=1.2),
+        OVERFLOW_LABEL: Line2D([], [], color=MARK, ls="--", lw=1),
+        NONFINITE_LABEL: Patch(color=MARK, alpha=0.2, lw=0),
+    }
+    out = []
+    for label, h in styles.items():
+        if label in used:
+            h.set_label(label)
+            out.append(h)
+    return out
+
+
+def _metric_figure(runs, key, title, ylabel, log=False, lines=()) -> Figure | None:
     colors = _colors(runs)
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    drawn = False
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    handles, used, any_finite = [], set(), False
     for r in runs:
-        # non-finite values are gaps, not zeros: break the line there
-        xs, ys = [], []
-        for x, v in r.series(key):
-            xs.append(x)
-            ys.append(v if math.isfinite(v) and (v > 0 or not log) else math.nan)
-        if any(math.isfinite(y) for y in ys):
-            ax.plot(xs, ys, color=colors[r.arm], label=r.arm, lw=1.3)
-            drawn = True
-        nan_x = [x for x, v in r.series(key) if not math.isfinite(v)]
-        if nan_x:
-            ax.axvspan(min(nan_x), max(nan_x), color=colors[r.arm], alpha=0.08)
-        _markers(ax, r, colors[r.arm])
-    if not drawn:
+        if not r.series(key):
+            continue
+        got = _draw(ax, r, key, colors[r.arm], log)
+        any_finite |= got["finite"]
+        used |= _markers(ax, r, colors[r.arm], got["nonfinite"])
+        if got["dropped"]:
+            used.add(DROPPED_LABEL)
+        # every arm in the legend, also one with no finite value to draw (its band says why)
+        label = r.arm if got["finite"] else f"{r.arm} (no finite value)"
+        handles.append(Line2D([], [], color=colors[r.arm], lw=1.3, label=label))
+    if not handles or not any_finite:
         plt.close(fig)
         return None
     for y, label in lines:
-        ax.axhline(y, color="black", lw=0.8, ls="-.", alpha=0.6)
-        ax.annotate(label, (0.005, y), xycoords=("axes fraction", "data"), fontsize=8, va="bottom")
+        ax.axhline(y, color=MAX_COLOR, lw=0.9, ls="-.", alpha=0.7)
+        handles.append(Line2D([], [], color=MAX_COLOR, lw=0.9, ls="-.", label=label))
     if log:
         ax.set_yscale("log")
-    ax.set(title=title, xlabel="optimizer steps taken", ylabel=ylabel)
+    ax.set(title=title, xlabel=XLABEL, ylabel=ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(handles=handles + _proxies(used), fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
-def _plot_act(runs: list[Run], path: Path) -> Path | None:
+def _act_figure(runs: list[Run]) -> Figure | None:
     """Per-layer |x| max, one panel per arm, with the 256 line and fp16's max."""
+    from stabilize.report.layers import draw_layers, layer_colors
+
     with_act = [r for r in runs if r.keys("act/")]
     if not with_act:
         return None
     n = len(with_act)
     cols = min(3, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.6 * cols + 3.4, 3.6 * rows), squeeze=False, sharey=True
+    )
+    colors = layer_colors(with_act)
+    handles: dict[str, object] = {}
+    used: set[str] = set()
     for ax, r in zip(axes.flat, with_act, strict=False):
-        for k in r.keys("act/"):
-            pts = r.series(k)
-            if any(math.isfinite(v) and v > 0 for _, v in pts):
-                # a non-finite reading is a gap in the line, not a bridge across it
-                ys = [v if math.isfinite(v) and v > 0 else math.nan for _, v in pts]
-                ax.plot([x for x, _ in pts], ys, lw=1, label=k[4:])
-        ax.axhline(LINE, color="red", lw=0.9, ls="--")
-        ax.axhline(FP16_MAX, color="black", lw=0.9, ls="-.")
-        _markers(ax, r, "grey")
+        nonfinite = []
+        for label, h, bad, dropped in draw_layers(ax, r, colors):
+            handles.setdefault(label, h)
+            nonfinite += bad
+            if dropped:
+                used.add(DROPPED_LABEL)
+        ax.axhline(LINE, color=LINE_COLOR, lw=1, ls="--")
+        ax.axhline(FP16_MAX, color=MAX_COLOR, lw=1, ls="-.")
+        used |= _markers(ax, r, MARK, nonfinite)
         ax.set_yscale("log")
         ax.set_title(r.arm, fontsize=10)
-        ax.set_xlabel("optimizer steps taken")
+        ax.set_xlabel(XLABEL, fontsize=8)
         ax.grid(alpha=0.3)
     for ax in axes.flat[n:]:
         ax.axis("off")
-    axes[0][0].set_ylabel("|x| max (red: 256, black: 65504)")
-    axes[0][0].legend(fontsize=7, loc="upper left")
-    fig.suptitle("per-layer activation |x| max")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    axes[0][0].set_ylabel("|x| max")
+    legend = list(handles.values())
+    legend += [
+        Line2D([], [], color=LINE_COLOR, lw=1, ls="--", label="256: one fp16 square overflows"),
+        Line2D([], [], color=MAX_COLOR, lw=1, ls="-.", label="65504: fp16 max"),
+    ]
+    fig.legend(handles=legend + _proxies(used), fontsize=7, loc="center right")
+    fig.suptitle("per-layer activation |x| max (thick: the layer that crossed 256 first)")
+    fig.tight_layout(rect=(0, 0, 1 - 3.3 / (4.6 * cols + 3.4), 1))
+    return fig
 
 
-def _plot_audit(runs: list[Run], path: Path) -> Path | None:
+def _audit_figure(runs: list[Run]) -> Figure | None:
     with_audit = [r for r in runs if r.audits]
     if not with_audit:
         return None
     colors = _colors(runs)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in with_audit:
-        xs = [a["step"] for a in r.audits]
+        xs = [a["step"] for a in r.audits]  # audits record the model step themselves
         a1.plot(xs, [a["rel_err_median"] for a in r.audits], color=colors[r.arm], label=r.arm)
         a2.plot(
             xs,
@@ -120,40 +208,42 @@ def _plot_audit(runs: list[Run], path: Path) -> Path | None:
             color=colors[r.arm],
             label=r.arm,
         )
-    a1.set(yscale="log", title="norm output vs float64 (median rel. error)", xlabel="model step")
-    a2.set(title="norm rows dead or non-finite (%)", xlabel="model step")
+    a1.set(yscale="log", title="norm output vs float64 (median rel. error)", xlabel=XLABEL)
+    a2.set(title="norm rows dead or non-finite (%)", xlabel=XLABEL)
     for ax in (a1, a2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def figures(runs: list[Run]) -> dict[str, Figure]:
+    """Every figure the runs have data for, unsaved ({name: Figure}; close them)."""
+    made = {
+        "loss": _metric_figure(runs, "train/loss", "training loss", "loss"),
+        "grad_norm": _metric_figure(
+            runs, "train/grad_norm", "gradient norm (pre-clip)", "norm", log=True
+        ),
+        "act_max": _act_figure(runs),
+        "loss_scale": _metric_figure(
+            runs,
+            "train/loss_scale",
+            "fp16 loss scale (GradScaler)",
+            "scale",
+            log=True,
+            lines=[(1.0, "scale floor 1")],
+        ),
+        "audit": _audit_figure(runs),
+    }
+    return {k: v for k, v in made.items() if v is not None}
 
 
 def make_plots(runs: list[Run], out: Path) -> dict[str, Path]:
     """Write every plot the runs have data for; returns {name: path}."""
     out.mkdir(parents=True, exist_ok=True)
-    made = {
-        "loss": _plot_metric(runs, "train/loss", out / "loss.png", "training loss", "loss"),
-        "grad_norm": _plot_metric(
-            runs,
-            "train/grad_norm",
-            out / "grad_norm.png",
-            "gradient norm (pre-clip)",
-            "norm",
-            log=True,
-        ),
-        "act_max": _plot_act(runs, out / "act_max.png"),
-        "loss_scale": _plot_metric(
-            runs,
-            "train/loss_scale",
-            out / "loss_scale.png",
-            "fp16 loss scale (GradScaler)",
-            "scale",
-            log=True,
-            lines=[(1.0, "floor 1")],
-        ),
-        "audit": _plot_audit(runs, out / "audit.png"),
-    }
-    return {k: v for k, v in made.items() if v is not None}
+    paths = {}
+    for name, fig in figures(runs).items():
+        paths[name] = out / f"{name}.png"
+        fig.savefig(paths[name], dpi=110)
+        plt.close(fig)
+    return paths

@@ -299,3 +299,34 @@ def table(arms: list[ArmSummary]) -> list[list[Any]]:
             ]
         )
     return rows
+
+
+# A sweep's comparison: the outcome columns after the swept keys.
+COMPARE = [
+    "status",
+    "model steps",
+    "final loss",
+    "final val bpb",
+    "first |x|>256",
+    "first overflow",
+    "first non-finite",
+    "scaler skips",
+    "rollbacks (remedies)",
+]
+
+
+def compare_row(a: ArmSummary) -> list[str]:
+    def f(v):
+        return "-" if v is None else f"{v:.4g}"
+
+    return [
+        a.status + (" (abort)" if a.aborted and a.status != "aborted" else ""),
+        str(a.steps),
+        f(a.final_loss),
+        f(a.final_val_bpb),
+        _fmt_step(a.first_over_line),
+        _fmt_step(a.first_overflow),
+        _fmt_step(a.first_nonfinite),
+        str(a.scaler_skips),
+        f"{a.rollbacks}" + (f" ({', '.join(a.remedies)})" if a.remedies else ""),
+    ]

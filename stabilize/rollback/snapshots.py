@@ -1,9 +1,7 @@
-"""Snapshots of the last good state, the rollback policy and its remedies.
+"""Snapshots of the last good state: host copies, the memory ring and durable writes.
 
-Trainer-agnostic: the Lightning callback hands in the model, optimizer, scheduler and
-scaler, and asks the policy what to do with a ROLLBACK event. The policy is deterministic
-host code fed identical numbers on every rank, so all ranks decide the same thing
-without talking to each other.
+Trainer-agnostic: the rollback controller (stabilize/lit/stability/controller.py) hands in
+the state dicts of the model, optimizer, scheduler and scaler.
 """
 
 from __future__ import annotations
@@ -18,38 +16,6 @@ from typing import Any
 import torch
 
 from stabilize.io import atomic_torch_save
-from stabilize.monitors.events import Event
-from stabilize.norms import set_reduction_dtype
-from stabilize.validate import check_choice, check_positive, check_range
-
-# retry: restore and go on unchanged (a transient fault - a flipped bit, a bad host - does
-# not recur; Megatron-LM re-runs a failing step to tell the two kinds apart).
-REMEDIES = ("retry", "skip_data", "lower_lr", "fp32_reduction")
-
-
-@dataclass
-class RollbackConfig:
-    enabled: bool = True
-    snapshot_every: int = 10  # K: a memory snapshot every K healthy steps
-    keep: int = 3  # snapshots in the memory ring
-    durable_every: int = 100  # M: also to disk every M steps (0: never)
-    durable_async: bool = True  # write to disk on a background thread (DurableWriter)
-    margin: int = 1  # restore a snapshot at least this many steps older than the fault
-    ladder: list[str] = field(default_factory=lambda: ["skip_data", "lower_lr", "fp32_reduction"])
-    skip_batches: int = 20  # skip_data: batches skipped past the restored position
-    lr_factor: float = 0.5  # lower_lr: the schedule's LR is multiplied by this
-    max_rollbacks: int = 5  # in ``window`` steps, then abort
-    window: int = 1000
-
-    def __post_init__(self):
-        for k in ("snapshot_every", "keep", "skip_batches", "max_rollbacks", "window"):
-            check_positive(f"rollback.{k}", getattr(self, k), integer=True)
-        check_range("rollback.durable_every", self.durable_every, 0, float("inf"))
-        check_range("rollback.margin", self.margin, 0, float("inf"))
-        check_range("rollback.lr_factor", self.lr_factor, 1e-6, 1.0)
-        for i, r in enumerate(self.ladder):
-            check_choice(f"rollback.ladder[{i}]", r, REMEDIES)
-
 
 _ATOMIC = (int, float, bool, str, bytes, type(None))
 
@@ -222,80 +188,3 @@ class DurableWriter:
 def load_durable(path: str | Path) -> Snapshot:
     d = torch.load(path, map_location="cpu", weights_only=False)
     return Snapshot(d["step"], d["state"], d["wall"])
-
-
-@dataclass
-class Decision:
-    action: str  # "rollback" | "abort"
-    snapshot: Snapshot | None = None
-    remedy: str | None = None
-    reason: str = ""
-
-
-class RollbackPolicy:
-    """Which snapshot, which remedy, or give up.
-
-    Successive rollbacks for the same monitor climb that monitor's ladder: the i-th
-    rollback applies ``ladder[i]``; one more than the ladder has rungs, or more than
-    ``max_rollbacks`` rollbacks of any kind within ``window`` steps, aborts.
-    """
-
-    def __init__(self, cfg: RollbackConfig):
-        self.cfg = cfg
-        self.history: list[dict[str, Any]] = []  # every rollback so far
-
-    def decide(self, event: Event, ring: SnapshotRing) -> Decision:
-        recent = [h for h in self.history if h["fault_step"] > event.step - self.cfg.window]
-        same = [h for h in recent if h["monitor"] == event.monitor]  # the ladder resets
-        if len(recent) >= self.cfg.max_rollbacks:
-            return Decision(
-                "abort",
-                reason=f"{len(recent)} rollbacks within "
-                f"{self.cfg.window} steps (max {self.cfg.max_rollbacks})",
-            )
-        if len(same) >= len(self.cfg.ladder):
-            return Decision(
-                "abort",
-                reason=f"the remedy ladder {self.cfg.ladder} is exhausted "
-                f"for {event.monitor!r}: the fault persists",
-            )
-        snap = ring.newest_before(event.step - self.cfg.margin)
-        if snap is None:
-            return Decision(
-                "abort",
-                reason=f"no snapshot at or before step "
-                f"{event.step - self.cfg.margin} (have {ring.steps()})",
-            )
-        remedy = self.cfg.ladder[len(same)]
-        self.history.append(
-            {
-                "monitor": event.monitor,
-                "fault_step": event.step,
-                "restored_step": snap.step,
-                "remedy": remedy,
-                "message": event.message,
-                "layer": event.layer,
-            }
-        )
-        return Decision("rollback", snap, remedy)
-
-    def state_dict(self) -> dict:
-        return {"history": copy.deepcopy(self.history)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.history = copy.deepcopy(state["history"])
-
-
-def apply_remedy(remedy: str, model: torch.nn.Module, cfg: RollbackConfig) -> dict[str, Any]:
-    """Apply one rung; returns what it did (for the event log).
-
-    skip_data (the data position) and lower_lr (the LR scale) are applied by the caller;
-    fp32_reduction switches the model's norms here.
-    """
-    if remedy == "lower_lr":
-        return {"lr_factor": cfg.lr_factor}
-    if remedy == "fp32_reduction":
-        return {"norms_switched": set_reduction_dtype(model, "fp32")}
-    if remedy == "skip_data":
-        return {"skip_batches": cfg.skip_batches}
-    return {}

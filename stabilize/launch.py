@@ -1,0 +1,50 @@
+"""torchrun whose exit code says what happened: ``python -m stabilize.launch [torchrun args]``.
+
+torchrun exits 1 with a ChildFailedError traceback whatever its ranks exited with, so a
+stability abort (3) and a config error (2) looked like any crash (issue 12, item 7). This
+runs torchrun's own ``main`` and, when a rank fails, exits with the code that says why
+(``stabilize/exits.py``), printing one line instead of the traceback:
+
+- the first failure (torchrun's root cause) if it is 2 or 3, else any rank's 3 or 2 (the
+  other ranks are stopped by torchrun, with a signal);
+- otherwise the first failure's own exit code (1 for a rank killed by a signal).
+
+scripts/launch.sh runs this; everything else about torchrun is unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from stabilize.exits import EXIT_ABORT, EXIT_CONFIG, EXIT_CRASH, meaning
+
+
+def exit_code(codes: list[int]) -> int:
+    """The launch's exit code from its failed ranks' codes, the root cause first."""
+    if codes and codes[0] in (EXIT_CONFIG, EXIT_ABORT):
+        return codes[0]
+    for known in (EXIT_ABORT, EXIT_CONFIG):
+        if known in codes:
+            return known
+    return codes[0] if codes and codes[0] > 0 else EXIT_CRASH
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:
+        root_rank, root = e.get_first_failure()
+        others = sorted((r, f.exitcode) for r, f in e.failures.items() if r != root_rank)
+        codes = [root.exitcode] + [c for _, c in others]
+        code = exit_code(codes)
+        ranks = ", ".join(f"rank {r}: {c}" for r, c in [(root_rank, root.exitcode), *others])
+        print(f"launch: {meaning(code)} (exit {code}; {ranks})", file=sys.stderr, flush=True)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

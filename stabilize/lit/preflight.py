@@ -1,0 +1,169 @@
+"""Start-up checks: every setting that needs more than the config itself, checked before
+anything is written (issue 12, items 5 and 8).
+
+``RunConfig`` checks each value and the cross-field rules on construction; what it cannot
+know is checked here, at the top of ``train.run`` (before the run dir is made):
+
+- the world size: ``fault.rank`` must be a rank of this launch (``WORLD_SIZE`` under
+  torchrun, else devices x nodes);
+- the model's parameter names: ``fault.param`` must be one (the model is built on the meta
+  device, so this costs no memory; building it also runs the norms' own checks);
+- the data: every local file has content, the corpus is large enough for a block and for
+  each rank's validation batch (the token cache is built here, stabilize/data/cache.py, and
+  the run's loaders reuse it; the tokenizer's ids were checked against ``model.vocab_size``
+  by ``RunConfig``);
+- ``resume=PATH``: the file exists and is a checkpoint.
+
+A ``ValueError`` raised while building the config or running these checks is a config
+error: it is re-raised as ``ConfigError`` (the CLI prints it on one line, exit code 2).
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stabilize.data import build_dataloaders
+from stabilize.lit.build import LaunchEnv
+from stabilize.lit.config import RunConfig
+from stabilize.model import GPT
+from stabilize.validate import ConfigError
+
+RESUME_ALLOWED = "allowed: 'none', 'auto' or a checkpoint file written by stabilize-train"
+
+
+@contextmanager
+def config_errors() -> Iterator[None]:
+    """A ValueError raised inside is a config error (``ConfigError``, same message)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def build_config(values: dict[str, Any]) -> RunConfig:
+    """The resolved Hydra values -> a ``RunConfig``; any refusal is a ``ConfigError``."""
+    with config_errors():
+        return RunConfig.from_dict(values)
+
+
+def check_and_build(values: dict[str, Any]) -> RunConfig:
+    """What ``stabilize-train`` checks before it writes anything: the config, then the
+    start-up checks. Raises ``ConfigError``."""
+    cfg = build_config(values)
+    preflight(cfg)
+    return cfg
+
+
+def world_size(cfg: RunConfig) -> int:
+    """Processes in this launch: torchrun's ``WORLD_SIZE``, else devices x nodes."""
+    env = LaunchEnv.detect()
+    if env.torchrun:
+        return env.world_size
+    devices = cfg.trainer.devices if isinstance(cfg.trainer.devices, int) else 1
+    return devices * cfg.trainer.num_nodes
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Every start-up check (module docstring); raises ``ConfigError``, writes nothing."""
+    world = world_size(cfg)
+    check_fault_rank(cfg, world)
+    with config_errors(), torch.device("meta"):
+        model = GPT(cfg.model)
+    check_fault_param(cfg, [name for name, _ in model.named_parameters()])
+    check_data(cfg, world)
+    check_resume(cfg.resume)
+
+
+def check_fault_rank(cfg: RunConfig, world: int) -> None:
+    rank = cfg.fault.rank
+    if cfg.fault.kind != "none" and rank is not None and rank >= world:
+        raise ConfigError(
+            f"fault.rank={rank} is not allowed in a launch of {world} process(es) (the fault "
+            f"would never fire); allowed: null (every rank) or 0 .. {world - 1}"
+        )
+
+
+def check_fault_param(cfg: RunConfig, names: list[str]) -> None:
+    param = cfg.fault.param
+    if param is None or param in names:
+        return
+    # A deep model has hundreds of names: list those outside the blocks and block 0's.
+    shown = [n for n in names if not n.startswith("h.") or n.startswith("h.0.")]
+    more = (
+        f" (and the same under h.1 .. h.{cfg.model.n_layer - 1})" if cfg.model.n_layer > 1 else ""
+    )
+    raise ConfigError(
+        f"fault.param={param!r} is not a parameter of the model; allowed: {shown}{more}"
+    )
+
+
+def check_data(cfg: RunConfig, world: int) -> None:
+    """Local files with content; a corpus the blocks and ranks fit; ids < vocab_size."""
+    for p in cfg.data.paths:
+        if os.path.getsize(p) == 0:
+            raise ConfigError(
+                f"data.paths={cfg.data.paths!r} is not allowed: {p!r} is empty; allowed: "
+                "files with at least one document"
+            )
+    with config_errors(), _quiet_datasets():
+        # Through the token cache (issue 14): built here, once per node, mapped; the run's
+        # own loaders then find it. The ids were checked against the model by RunConfig.
+        build_dataloaders(
+            cfg.data,
+            cfg.model.block_size,
+            rank=0,
+            world_size=world,
+            num_steps=None,
+            val_batches=cfg.trainer.limit_val_batches,
+        )
+
+
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No datasets progress bars on stderr from the check (an error must stay one line)."""
+    from datasets.utils import logging as ds_logging
+
+    was_on = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            ds_logging.enable_progress_bar()
+
+
+def check_resume(resume: str) -> None:
+    """``resume=PATH`` names a file that is a checkpoint: a torch zip archive holding a
+    Lightning checkpoint (loaded memory-mapped: the tensors are not read)."""
+    if resume in ("none", "auto"):
+        return
+    path = Path(resume)
+    if not path.is_file():
+        raise ConfigError(
+            f"resume={resume!r} is not allowed: no such checkpoint file; {RESUME_ALLOWED}"
+        )
+    reason = None
+    if not zipfile.is_zipfile(path):
+        reason = "not a torch.save archive"
+    else:
+        try:
+            ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        except Exception as e:  # any unreadable archive: say why, briefly
+            reason = f"unreadable: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        else:
+            if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+                reason = "no 'state_dict' in it"
+    if reason:
+        raise ConfigError(
+            f"resume={resume!r} is not allowed: {str(path)!r} is not a checkpoint ({reason}); "
+            f"{RESUME_ALLOWED}"
+        )

@@ -1,0 +1,161 @@
+"""The rollback controller: snapshots, restore, the remedy, and the abort.
+
+Healthy steps are snapshotted into the memory ring (every ``rollback.snapshot_every``; to
+disk every ``durable_every``, on a background thread). On a ROLLBACK verdict the policy
+picks a snapshot and a remedy (or gives up); the controller restores the snapshot into the
+live model, optimizer, scheduler, scaler and monitors, calls the remedy
+(stabilize/rollback/remedies.py) and seeks the data. Giving up raises ``StabilityAbort``
+with a diagnosis (also written to ``diagnosis.json``); the CLI exits with code 3.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stabilize.faults import FaultInjector
+from stabilize.lit.stability.sink import EventSink
+from stabilize.monitors import Event, MonitorSuite, StepStats
+from stabilize.rollback import (
+    DurableWriter,
+    RollbackConfig,
+    RollbackPolicy,
+    Snapshot,
+    SnapshotRing,
+    get_remedy,
+    to_cpu,
+)
+
+
+class StabilityAbort(RuntimeError):
+    """Raised on every rank at once when the policy gives up; carries the diagnosis."""
+
+    def __init__(self, diagnosis: dict[str, Any]):
+        super().__init__(diagnosis["reason"])
+        self.diagnosis = diagnosis
+
+
+class RollbackController:
+    def __init__(
+        self, cfg: RollbackConfig, run_dir: str | Path, suite: MonitorSuite, sink: EventSink
+    ):
+        self.cfg, self.run_dir, self.suite, self.sink = cfg, Path(run_dir), suite, sink
+        self.ring = SnapshotRing(cfg.keep)
+        self.writer = DurableWriter(background=cfg.durable_async)
+        self.policy = RollbackPolicy(cfg)
+        self.injector: FaultInjector | None = None  # set by the callback's setup
+
+    @staticmethod
+    def _objects(trainer):
+        opt = trainer.optimizers[0]
+        sched = trainer.lr_scheduler_configs[0].scheduler
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        return opt, sched, scaler
+
+    def snapshot(self, trainer, pl_module) -> None:
+        opt, sched, scaler = self._objects(trainer)
+        # the host buffers of the snapshot leaving the ring are written in place (copy_):
+        # no allocation once the ring is full (stabilize.rollback.SnapshotRing)
+        old = self.ring.recycle() or {}
+        if self.writer.busy_with(old):  # still being written to disk: let it finish first
+            self.writer.wait()
+        state = {
+            "model": to_cpu(pl_module.model.state_dict(), old.get("model")),
+            "optimizer": to_cpu(opt.state_dict(), old.get("optimizer")),
+            "scheduler": to_cpu(sched.state_dict()),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "model_step": pl_module.model_step,
+            "data_step": pl_module.data_step,
+            "monitors": to_cpu(self.suite.state_dict()),
+            "fault": self.injector.snapshot_state() if self.injector else None,
+        }
+        snap = Snapshot(pl_module.model_step, state)
+        self.ring.push(snap)
+        every = self.cfg.durable_every
+        if every and snap.step % every == 0 and trainer.is_global_zero:
+            self.writer.submit(snap, self.run_dir / "snapshots")
+
+    def restore(self, trainer, pl_module, st: dict) -> None:
+        """Load a snapshot's state into the live model, optimizer, scheduler, scaler and
+        monitors (no remedy, no data seek: that is rollback's business)."""
+        opt, sched, scaler = self._objects(trainer)
+        pl_module.model.load_state_dict(st["model"])  # copies into the parameters
+        opt.load_state_dict(st["optimizer"])
+        # Optimizer.load_state_dict keeps the snapshot's own tensors wherever no cast or
+        # move is needed (every ``step`` counter; on CPU the moments too): the optimizer
+        # would then update the snapshot in place, and a second rollback to it, or the
+        # next snapshot written into its recycled buffers, would see the live state.
+        for per_param in opt.state.values():
+            for k, v in per_param.items():
+                if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+                    per_param[k] = v.clone()
+        sched.load_state_dict(st["scheduler"])
+        if scaler is not None and st["scaler"] is not None:
+            scaler.load_state_dict(st["scaler"])
+        self.suite.load_state_dict(st["monitors"])
+
+    def rollback(self, trainer, pl_module, event: Event, last: StepStats | None) -> None:
+        """Restore, remedy and seek for ``event``; or abort. ``last``: the step's stats,
+        for a diagnosis."""
+        decision = self.policy.decide(event, self.ring)
+        if decision.action == "abort":
+            self.abort(trainer, pl_module, event, decision.reason, last)
+        snap, remedy = decision.snapshot, decision.remedy
+        st = snap.state
+        self.restore(trainer, pl_module, st)
+        if self.injector is not None and st["fault"] is not None:
+            self.injector.on_rollback(st["fault"])
+        pl_module.model_step, pl_module.data_step = st["model_step"], st["data_step"]
+        did = get_remedy(remedy).apply(pl_module, self.cfg)
+        pl_module.apply_lr()  # remedies so far stay applied, on the restored step
+        pl_module.remedies.append(remedy)
+        pl_module.seek_data(pl_module.data_step)
+        trainer.optimizers[0].zero_grad(set_to_none=True)
+        self.ring.drop_after(snap.step)
+        self.sink.emit(
+            trainer,
+            Event(
+                "rollback",
+                "rollback",
+                event.step,
+                f"rolled back from step {event.step} to {snap.step} "
+                f"({event.monitor}); remedy {remedy}: {did}",
+                layer=event.layer,
+                extra={"restored_step": snap.step, "remedy": remedy, **did},
+            ),
+        )
+
+    def abort(self, trainer, pl_module, event: Event, reason: str, last: StepStats | None):
+        top = sorted(last.act_max.items(), key=lambda kv: -kv[1])[:5] if last else []
+        forecast = {k: v for k, v in self.suite.forecast.items() if math.isfinite(v)}
+        diagnosis = {
+            "reason": reason,
+            "monitor": event.monitor,
+            "step": event.step,
+            "layer": event.layer,
+            "message": event.message,
+            "act_max_top": top,
+            "forecast_steps_left": dict(sorted(forecast.items(), key=lambda kv: kv[1])[:5]),
+            "rollbacks": self.policy.history,
+            "remedies": list(pl_module.remedies),
+        }
+        self.sink.emit(
+            trainer,
+            Event(
+                "abort",
+                "rollback",
+                event.step,
+                f"abort: {reason}",
+                layer=event.layer,
+                extra={"diagnosis": diagnosis},
+            ),
+        )
+        if trainer.is_global_zero:
+            (self.run_dir / "diagnosis.json").write_text(
+                json.dumps(diagnosis, indent=2, default=str)
+            )
+        raise StabilityAbort(diagnosis)

@@ -1,0 +1,36 @@
+"""The built-in monitors, registered under their config sections (configs/monitor/*.yaml).
+
+The order here is the suite's order, hence the order of a step's events in events.jsonl.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from stabilize.monitors.activations import ActivationConfig, ActivationMonitor
+from stabilize.monitors.health import (
+    LossScaleConfig,
+    LossScaleMonitor,
+    NonFiniteConfig,
+    NonFiniteMonitor,
+)
+from stabilize.monitors.registry import register_monitor
+from stabilize.monitors.spikes import SpikeConfig, SpikeMonitor
+
+register_monitor("activation", ActivationConfig, ActivationMonitor.from_config)
+# Gradient clipping absorbs most grad-norm spikes, and small batches have real 10-20x ones
+# (measured on the tiny model): warn by default. A loss spike is the PaLM case.
+register_monitor(
+    "grad_spike",
+    SpikeConfig,
+    partial(SpikeMonitor.from_config, series="grad_norm"),
+    defaults={"warmup": 50, "threshold": 8.0, "min_ratio": 4.0, "action": "warn"},
+)
+register_monitor(
+    "loss_spike",
+    SpikeConfig,
+    partial(SpikeMonitor.from_config, series="loss"),
+    defaults={"warmup": 50, "threshold": 8.0, "min_ratio": 1.5},
+)
+register_monitor("nonfinite", NonFiniteConfig, NonFiniteMonitor.from_config, flag=True)
+register_monitor("loss_scale", LossScaleConfig, LossScaleMonitor.from_config)

@@ -1,0 +1,116 @@
+"""The rollback config and policy: which snapshot, which remedy, or give up.
+
+The policy is deterministic host code fed identical numbers on every rank, so all ranks
+decide the same thing without talking to each other.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from stabilize.monitors.events import Event
+from stabilize.rollback.remedies import REMEDIES
+from stabilize.rollback.snapshots import Snapshot, SnapshotRing
+from stabilize.validate import check_choice, check_positive, check_range
+
+
+@dataclass
+class RollbackConfig:
+    """``rollback``: snapshots, the remedy ladder and when to give up."""
+
+    enabled: bool = True
+    """Roll every rank back to a good snapshot on a ROLLBACK verdict."""
+    snapshot_every: int = 10
+    """K: a memory snapshot every K healthy steps."""
+    keep: int = 3
+    """Snapshots in the memory ring."""
+    durable_every: int = 100
+    """M: also to disk (run_dir/snapshots) every M steps (0: never)."""
+    durable_async: bool = True
+    """Write to disk on a background thread (DurableWriter)."""
+    margin: int = 1
+    """Restore a snapshot at least this many steps older than the fault."""
+    ladder: list[str] = field(default_factory=lambda: ["skip_data", "lower_lr", "fp32_reduction"])
+    """Remedies (registered names, stabilize/rollback/remedies.py), one per successive
+    rollback for the same monitor."""
+    skip_batches: int = 20
+    """skip_data: batches skipped past the restored position."""
+    lr_factor: float = 0.5
+    """lower_lr: the schedule's LR is multiplied by this."""
+    max_rollbacks: int = 5
+    """Rollbacks allowed in ``window`` steps; one more aborts."""
+    window: int = 1000
+    """The span, in steps, ``max_rollbacks`` counts over."""
+
+    def __post_init__(self):
+        for k in ("snapshot_every", "keep", "skip_batches", "max_rollbacks", "window"):
+            check_positive(f"rollback.{k}", getattr(self, k), integer=True)
+        check_range("rollback.durable_every", self.durable_every, 0, float("inf"))
+        check_range("rollback.margin", self.margin, 0, float("inf"))
+        check_range("rollback.lr_factor", self.lr_factor, 1e-6, 1.0)
+        for i, r in enumerate(self.ladder):
+            check_choice(f"rollback.ladder[{i}]", r, REMEDIES)
+
+
+@dataclass
+class Decision:
+    action: str  # "rollback" | "abort"
+    snapshot: Snapshot | None = None
+    remedy: str | None = None
+    reason: str = ""
+
+
+class RollbackPolicy:
+    """Which snapshot, which remedy, or give up.
+
+    Successive rollbacks for the same monitor climb that monitor's ladder: the i-th
+    rollback applies ``ladder[i]``; one more than the ladder has rungs, or more than
+    ``max_rollbacks`` rollbacks of any kind within ``window`` steps, aborts.
+    """
+
+    def __init__(self, cfg: RollbackConfig):
+        self.cfg = cfg
+        self.history: list[dict[str, Any]] = []  # every rollback so far
+
+    def decide(self, event: Event, ring: SnapshotRing) -> Decision:
+        recent = [h for h in self.history if h["fault_step"] > event.step - self.cfg.window]
+        same = [h for h in recent if h["monitor"] == event.monitor]  # the ladder resets
+        if len(recent) >= self.cfg.max_rollbacks:
+            return Decision(
+                "abort",
+                reason=f"{len(recent)} rollbacks within "
+                f"{self.cfg.window} steps (max {self.cfg.max_rollbacks})",
+            )
+        if len(same) >= len(self.cfg.ladder):
+            return Decision(
+                "abort",
+                reason=f"the remedy ladder {self.cfg.ladder} is exhausted "
+                f"for {event.monitor!r}: the fault persists",
+            )
+        snap = ring.newest_before(event.step - self.cfg.margin)
+        if snap is None:
+            return Decision(
+                "abort",
+                reason=f"no snapshot at or before step "
+                f"{event.step - self.cfg.margin} (have {ring.steps()})",
+            )
+        remedy = self.cfg.ladder[len(same)]
+        self.history.append(
+            {
+                "monitor": event.monitor,
+                "fault_step": event.step,
+                "restored_step": snap.step,
+                "remedy": remedy,
+                "message": event.message,
+                "layer": event.layer,
+            }
+        )
+        return Decision("rollback", snap, remedy)
+
+    def state_dict(self) -> dict:
+        return {"history": copy.deepcopy(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = copy.deepcopy(state["history"])

@@ -1,0 +1,114 @@
+"""Remedies: the rungs of the rollback ladder, registered by the name the ladder uses.
+
+A remedy applies itself to the training state right after a restore (the model, the LR
+scale, the data position), and re-applies after a checkpoint load whatever of its effect
+the checkpoint does not hold. The rollback controller only picks the rung and calls it.
+
+Built in (PaLM skipped 200-500 batches around a spike; OPT-175B restarted with a lower LR;
+the fp32 reduction is this project's own, docs/stability.md):
+- ``retry``: restore and go on unchanged (a transient fault - a flipped bit, a bad host -
+  does not recur; Megatron-LM re-runs a failing step to tell the two kinds apart);
+- ``skip_data``: move the data position ``rollback.skip_batches`` past the restored one;
+- ``lower_lr``: multiply the LR scale by ``rollback.lr_factor``;
+- ``fp32_reduction``: switch every norm's reduction to fp32.
+
+A remedy from outside the package: subclass ``Remedy``, set ``name``, and
+``register_remedy(MyRemedy())`` before the run's config is built (the ladder is checked
+against the registry).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from torch import nn
+
+from stabilize.norms import set_reduction_dtype
+from stabilize.validate import check_choice
+
+if TYPE_CHECKING:
+    from stabilize.rollback.policy import RollbackConfig
+
+
+class TrainState(Protocol):
+    """What a remedy may change (``GPTLitModule`` has these)."""
+
+    model: nn.Module
+    lr_scale: float  # multiplies the schedule's LR; saved in checkpoints
+    data_step: int  # the data position; saved in checkpoints
+
+
+class Remedy:
+    """One rung of the ladder. Subclasses set ``name`` and override what they change."""
+
+    name: str = ""
+
+    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+        """After the restore (model, optimizer and steps are the snapshot's): change the
+        state; return what was done, for the rollback event's ``extra`` and message."""
+        return {}
+
+    def reapply(self, state: TrainState) -> None:
+        """After a checkpoint load, for a run that had this remedy: re-impose what the
+        checkpoint does not hold. Nothing for an effect kept in saved state (the LR scale,
+        the data position)."""
+
+
+class Retry(Remedy):
+    name = "retry"
+
+
+class SkipData(Remedy):
+    name = "skip_data"
+
+    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+        state.data_step += cfg.skip_batches
+        return {"skip_batches": cfg.skip_batches}
+
+
+class LowerLR(Remedy):
+    name = "lower_lr"
+
+    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+        state.lr_scale *= cfg.lr_factor
+        return {"lr_factor": cfg.lr_factor}
+
+
+class FP32Reduction(Remedy):
+    name = "fp32_reduction"
+
+    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+        return {"norms_switched": set_reduction_dtype(state.model, "fp32")}
+
+    def reapply(self, state: TrainState) -> None:
+        set_reduction_dtype(state.model, "fp32")  # a module attribute, not in the state dict
+
+
+REMEDIES: dict[str, Remedy] = {}
+
+
+def register_remedy(remedy: Remedy) -> None:
+    """Make ``remedy`` available to ladders under ``remedy.name``."""
+    if not remedy.name or remedy.name in REMEDIES:
+        raise ValueError(f"remedy {remedy.name!r} is already registered (or has no name)")
+    REMEDIES[remedy.name] = remedy
+
+
+def unregister_remedy(name: str) -> None:
+    """Remove a registered remedy (tests registering their own clean up with this)."""
+    del REMEDIES[name]
+
+
+def get_remedy(name: str, key: str = "remedy") -> Remedy:
+    check_choice(key, name, REMEDIES)
+    return REMEDIES[name]
+
+
+def reapply_remedies(state: TrainState, names: list[str]) -> None:
+    """After a checkpoint load: each remedy the run has had, once, in first-use order."""
+    for name in dict.fromkeys(names):
+        get_remedy(name, "checkpoint remedies").reapply(state)
+
+
+for _remedy in (Retry(), SkipData(), LowerLR(), FP32Reduction()):
+    register_remedy(_remedy)
