@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from benchstats import load_average, md_table, quartiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a bare checkout
 from stabilize.norms import (  # noqa: E402
@@ -130,7 +131,7 @@ def measure_group(args, dtype_name: str, shape: tuple[int, int]) -> list[dict]:
     for r in live:
         ts = times[id(r)]
         r["ms"] = statistics.median(ts)
-        q1, _, q3 = statistics.quantiles(ts, n=4) if len(ts) > 1 else (ts[0],) * 3
+        q1, _, q3 = quartiles(ts)
         r["spread"] = (q3 - q1) / r["ms"]  # interquartile range: how much to trust the median
         del r["fn"]
     for r in rows:
@@ -182,20 +183,15 @@ def markdown(rows: list[dict]) -> list[str]:
     """The result table, n/a rows included with their reason."""
     cols = ["type", "backend", "reduction", "dtype", "shape", "resolved"]
     head = [*cols, "median ms", "x layer_norm", "x copy", "spread %"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells = []
     for r in rows:
         nums = (
             [f"{r['ms']:.3f}", f"{r['x_ln']:.2f}", f"{r['x_copy']:.2f}", f"{100 * r['spread']:.0f}"]
             if "ms" in r
             else [f"n/a: {r['na']}", "", "", ""]
         )
-        lines.append("| " + " | ".join([*(str(r[c]) for c in cols), *nums]) + " |")
-    return lines
-
-
-def load_average() -> float:
-    """The 1-minute load average (how many processes want a core), NaN where unknown."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        cells.append([*(r[c] for c in cols), *nums])
+    return md_table(head, cells)
 
 
 def parse_args(argv=None):

@@ -37,57 +37,35 @@ Usage: python scripts/bench_step.py [--quick] [--steps 100] [--repeats 3]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
-import io
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import wandb  # noqa: E402
-from benchlib import CONFIGS as BASE_CONFIGS  # noqa: E402  (sets the offline environment)
-from benchlib import compose_cfg, mute_progress, prepare, run_overrides  # noqa: E402
+import lightning as L
+import torch
+import torch.nn.functional as F
+from benchlib import CONFIGS as BASE_CONFIGS  # (sets the offline environment)
+from benchlib import StepClock, add_run_args, compose_cfg, prepare, run_overrides, train_with
+from benchstats import print_table, span
 
-import stabilize.train  # noqa: E402
-from stabilize.data import build_dataloaders  # noqa: E402
-from stabilize.lit.build import resolve_accelerator  # noqa: E402
-from stabilize.lit.config import RunConfig  # noqa: E402
-from stabilize.lit.module import lr_factor, param_groups  # noqa: E402
-from stabilize.model import GPT  # noqa: E402
+from stabilize.data import build_dataloaders
+from stabilize.lit.build import resolve_accelerator
+from stabilize.lit.config import RunConfig
+from stabilize.lit.module import lr_factor, param_groups
+from stabilize.model import GPT
 
 CONFIGS = BASE_CONFIGS
 AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 TARGET = 0.95
 
 
-class StepClock(L.Callback):
-    """perf_counter after every optimizer step, keyed by global_step (device synced at the
-    two window edges only, so a GPU run is not slowed by it)."""
-
-    def __init__(self, edges: tuple[int, int]):
-        self.edges, self.t = edges, {}
-
-    def on_train_start(self, trainer, pl_module):
-        mute_progress(trainer)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = trainer.global_step
-        if step in self.edges and pl_module.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.t[step] = time.perf_counter()
-
-
 def lightning_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float, float | None]:
     """(step -> time, final train/loss, tokens/s the run itself logged)."""
     clock = StepClock(edges)
-    with contextlib.redirect_stdout(io.StringIO()):  # W&B chatter
-        out = stabilize.train.run(cfg, callbacks=[clock])
-    wandb.teardown()  # stop W&B's service process: it must not run during a bare pass
+    out = train_with(cfg, clock)  # W&B's service process stopped: not during a bare pass
     logged = [
         float(row["perf/tokens_per_s"])
         for f in Path(cfg.run_dir).glob("csv/version_*/metrics.csv")
@@ -180,28 +158,45 @@ def bench(name: str, args, tmp: Path) -> dict:
 
 
 def report(results: list[dict], args) -> None:
-    def span(xs, fmt="{:.0f}"):
-        return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
-
     print(
         f"\n{args.precision}, {args.steps} timed steps after {args.warmup}, {args.repeats} "
         f"pairs, {torch.get_num_threads()} torch threads, load average {args.load:.1f} at start "
         f"on {os.cpu_count()} cores; tok/s: median (min-max)\n"
     )
-    print(
-        "| config | params | tok/step | bare tok/s | lightning tok/s | logged tok/s | bare ms/step "
-        "| lightning ms/step | overhead ms/step | ckpts in window | ratio L/bare |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    head = [
+        "config",
+        "params",
+        "tok/step",
+        "bare tok/s",
+        "lightning tok/s",
+        "logged tok/s",
+        "bare ms/step",
+        "lightning ms/step",
+        "overhead ms/step",
+        "ckpts in window",
+        "ratio L/bare",
+    ]
+    rows = []
     for res in results:
         b, lt = res["rates"]["bare"], res["rates"]["lightning"]
         ms = [1000 * res["tokens"] / statistics.median(x) for x in (b, lt)]
         logged = f"{statistics.median(res['logged']):.0f}" if res["logged"] else "-"
-        print(
-            f"| {res['name']} | {res['params'] / 1e6:.2f}M | {res['tokens']} | {span(b)} "
-            f"| {span(lt)} | {logged} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[1] - ms[0]:+.1f} "
-            f"| {res['ckpts']} | {span(res['ratios'], '{:.3f}')} |"
+        rows.append(
+            [
+                res["name"],
+                f"{res['params'] / 1e6:.2f}M",
+                res["tokens"],
+                span(b, "{:.0f}", sep="-"),
+                span(lt, "{:.0f}", sep="-"),
+                logged,
+                f"{ms[0]:.1f}",
+                f"{ms[1]:.1f}",
+                f"{ms[1] - ms[0]:+.1f}",
+                res["ckpts"],
+                span(res["ratios"], "{:.3f}", sep="-"),
+            ]
         )
+    print_table(head, rows)
     print()
     for res in results:
         ratio = statistics.median(res["ratios"])
@@ -211,13 +206,8 @@ def report(results: list[dict], args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny only, 2 pairs (< 90 s)")
-    ap.add_argument("--steps", type=int, default=100, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first")
-    ap.add_argument("--repeats", type=int, default=3, help="(bare, lightning) pairs")
-    ap.add_argument("--configs", default="tiny,small", help=f"of {sorted(CONFIGS)}")
+    add_run_args(ap, CONFIGS, repeats=3, pairs="(bare, lightning)")
     ap.add_argument("--precision", default="fp32", choices=sorted(AUTOCAST))
-    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
     ap.add_argument(
         "--set",
         nargs="*",

@@ -1,14 +1,18 @@
-"""What the benchmark scripts share: an offline environment, Hydra composition of the real
-configs, the bench model sizes, and muting the progress lines.
+"""The harness the training benchmarks share: an offline environment, the common command
+line, Hydra composition of the real configs, the bench model sizes, a clock callback that
+stamps every optimizer step, and one real training run with it.
 
-Imported first by each script (it sets the environment before wandb is imported).
+Imported first by each script (it sets the environment before wandb is imported). The
+statistics and tables the scripts print are in benchstats.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ["WANDB_MODE"] = "offline"  # before wandb is imported; never the network
@@ -18,10 +22,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runnable from a bare checkout
 
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import wandb  # noqa: E402
+from benchstats import load_average  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-import stabilize.train  # noqa: E402, F401  (registers the config's resolvers)
+import stabilize.train  # noqa: E402  (also registers the config's resolvers)
 from stabilize.lit.callbacks import PlainProgress  # noqa: E402
 from stabilize.lit.config import RunConfig  # noqa: E402
 
@@ -45,13 +53,22 @@ def mute_progress(trainer) -> None:
             cb.stream = io.StringIO()
 
 
+def add_run_args(ap, configs: dict, repeats: int, pairs: str) -> None:
+    """The options every training benchmark takes: its window, its pairs of runs, which
+    configs, how many torch threads (``prepare`` checks and applies them)."""
+    ap.add_argument("--quick", action="store_true", help="tiny only, 2 pairs (< 90 s)")
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    ap.add_argument("--repeats", type=int, default=repeats, help=f"{pairs} pairs")
+    ap.add_argument("--configs", default="tiny,small", help=f"of {sorted(configs)}")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+
+
 def prepare(ap, args, configs: dict) -> list[str]:
     """After parsing: --quick, --threads, --configs checked, Lightning's chatter muted, and
     the load average recorded (over cores - threads, other jobs stall OpenMP threads)."""
     import logging
     import warnings
-
-    import torch
 
     if args.quick:
         args.configs, args.repeats = "tiny", 2
@@ -64,7 +81,7 @@ def prepare(ap, args, configs: dict) -> list[str]:
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module=r"lightning\..*")
-    args.load = os.getloadavg()[0]
+    args.load = load_average()
     return names
 
 
@@ -79,3 +96,38 @@ def run_overrides(config: list[str], precision: str, total: int, logger: str) ->
         "trainer.progress=plain",
         f"logger={logger}",
     ]
+
+
+class StepClock(L.Callback):
+    """``perf_counter`` and ``process_time`` after every optimizer step, keyed by
+    global_step; the device is synced at the window's two edges only, so a GPU run is not
+    slowed by it. Its ``on_train_batch_end`` runs after the LR scheduler step and before the
+    checkpoint callback, which Lightning orders last."""
+
+    def __init__(self, edges: tuple[int, ...] = ()):
+        self.edges = edges
+        self.t: dict[int, float] = {}
+        self.cpu: dict[int, float] = {}
+
+    def stamp(self, step: int) -> None:
+        """Record both clocks as the time after ``step``."""
+        self.t[step], self.cpu[step] = time.perf_counter(), time.process_time()
+
+    def on_train_start(self, trainer, pl_module):
+        mute_progress(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step in self.edges and pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.stamp(step)
+
+
+def train_with(cfg: RunConfig, clock: L.Callback) -> dict:
+    """One real run (``stabilize.train.run``) with ``clock`` among its callbacks; its
+    result. W&B's chatter is muted and its service process stopped after the run: it must
+    not run during the next one."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        out = stabilize.train.run(cfg, callbacks=[clock])
+    wandb.teardown()
+    return out

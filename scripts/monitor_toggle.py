@@ -18,36 +18,29 @@ bench_monitors.py, is added back amortised. The estimate is the median over quad
 
 from __future__ import annotations
 
-import contextlib
-import io
 import statistics
-import time
 
-import lightning as L
-import wandb
-from benchlib import mute_progress
+from benchlib import StepClock, train_with
+from benchstats import ABBA, BLOCK, block_means, position_overhead, quad_overheads
 
-import stabilize.train
 from stabilize.lit.probe import StabilityProbe
 from stabilize.lit.stability import HEAD, StabilityCallback
 
-BLOCK = 10
-ABBA = (True, False, False, True)
 
+class Toggle(StepClock):
+    """Both clocks after every step, and the monitors switched at each block's first step."""
 
-class Toggle(L.Callback):
     def __init__(self, warmup: int):
+        super().__init__()
         self.warmup = warmup
-        self.t: dict[int, float] = {}
-        self.cpu: dict[int, float] = {}
         self.on: dict[int, bool] = {}  # block index -> monitors on
 
     def on_train_start(self, trainer, pl_module):
-        mute_progress(trainer)
+        super().on_train_start(trainer, pl_module)
         self.sc = next(cb for cb in trainer.callbacks if isinstance(cb, StabilityCallback))
         self.model = pl_module.model
         self.judge = self.sc.on_before_optimizer_step
-        self.t[0], self.cpu[0] = time.perf_counter(), time.process_time()
+        self.stamp(0)
 
     def _switch(self, on: bool) -> None:
         sc = self.sc
@@ -66,45 +59,6 @@ class Toggle(L.Callback):
             self.on[b] = ABBA[b % 4]
             self._switch(self.on[b])
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        g = trainer.global_step
-        self.t[g], self.cpu[g] = time.perf_counter(), time.process_time()
-
-
-def _block_means(stamps: dict[int, float], warmup: int, n_blocks: int) -> list[float]:
-    """Mean step time of each block, its first step (the switch) left out."""
-    out = []
-    for b in range(n_blocks):
-        first = warmup + b * BLOCK + 1  # global step after the block's first step
-        last = warmup + (b + 1) * BLOCK
-        out.append((stamps[last] - stamps[first]) / (last - first))
-    return out
-
-
-def quad_overheads(means: list[float]) -> list[float]:
-    """Per ABBA quad: mean of its on blocks / mean of its off blocks - 1."""
-    out = []
-    for q in range(len(means) // 4):
-        m = means[4 * q : 4 * q + 4]
-        out.append((m[0] + m[3]) / (m[1] + m[2]) - 1)
-    return out
-
-
-def position_overhead(stamps: dict[int, float], on: dict[int, bool], warmup: int, n: int):
-    """A cross-check of the quad median, robust to stalls in another way: for each position
-    in a block (the switch step left out), the median step time over the on blocks and over
-    the off blocks; the overhead is sum(on medians) / sum(off medians) - 1. Work done once
-    per block (the log step, the snapshot) sits at one position and counts in full; a stall
-    of the machine lands in one block at one position, and a median drops it."""
-    per: dict[bool, list[list[float]]] = {arm: [[] for _ in range(BLOCK)] for arm in (True, False)}
-    for b in range(n):
-        for pos in range(2, BLOCK + 1):  # global steps after steps 2..BLOCK of the block
-            g = warmup + b * BLOCK + pos
-            per[on[b]][pos - 1].append(stamps[g] - stamps[g - 1])
-    on_sum = sum(statistics.median(x) for x in per[True] if x)
-    off_sum = sum(statistics.median(x) for x in per[False] if x)
-    return on_sum / off_sum - 1
-
 
 def toggle_bench(cfg, steps: int, warmup: int, durable_ms: float, durable_every: int) -> dict:
     """One run of ``cfg`` (monitors and rollback on, durable snapshots off) with ``steps``
@@ -112,12 +66,10 @@ def toggle_bench(cfg, steps: int, warmup: int, durable_ms: float, durable_every:
     ``durable_every`` steps) is added back amortised."""
     n_blocks = (steps // (4 * BLOCK)) * 4
     clock = Toggle(warmup)
-    with contextlib.redirect_stdout(io.StringIO()):
-        stabilize.train.run(cfg, callbacks=[clock])
-    wandb.teardown()
+    train_with(cfg, clock)
     out = {}
     for key in ("t", "cpu"):
-        means = _block_means(getattr(clock, key), warmup, n_blocks)
+        means = block_means(getattr(clock, key), warmup, n_blocks)
         off_step = statistics.median(m for b, m in enumerate(means) if not clock.on[b])
         extra = (durable_ms / 1000 / durable_every / off_step) if durable_every else 0.0
         quads = quad_overheads(means)
