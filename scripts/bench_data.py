@@ -37,9 +37,12 @@ from datetime import datetime
 from pathlib import Path
 
 import datasets
-from benchlib import ROOT
+from benchstats import load_average, md_row, md_table
 
-from stabilize.data import (
+ROOT = Path(__file__).resolve().parents[1]  # not benchlib's: no Lightning in this process
+sys.path.insert(0, str(ROOT))
+
+from stabilize.data import (  # noqa: E402
     ByteTokenizer,
     DataConfig,
     embedded_corpus,
@@ -47,8 +50,8 @@ from stabilize.data import (
     stream_dtype,
     train_bpe,
 )
-from stabilize.data.token_file import write_tokens
-from stabilize.data.tokenizer import encode_documents, text_batches
+from stabilize.data.token_file import write_tokens  # noqa: E402
+from stabilize.data.tokenizer import encode_documents, text_batches  # noqa: E402
 
 WRAP = (
     "import resource, subprocess, sys\n"
@@ -145,29 +148,29 @@ def main(argv: list[str] | None = None) -> int:
         big = make_corpus(tmp / "big.txt", args.mb)
         small = make_corpus(tmp / "small.txt", args.small_mb, seed=1)
         bpe = big if args.bpe_mb >= args.mb else make_corpus(tmp / "bpe.txt", args.bpe_mb, 2)
-        print(f"# bench_data: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        print(f"# bench_data: load average {load_average():.1f} on {os.cpu_count()} cores")
         print("\n## Tokenization throughput (load, train and encode timed apart)")
-        print("| tokenizer | corpus MB | tokens | load s | train s | encode s | tokens/s |")
-        print("|---|---|---|---|---|---|---|")
+        head = ["tokenizer", "corpus MB", "tokens", "load s", "train s", "encode s", "tokens/s"]
+        print("\n".join(md_table(head, [])))
         big_mb = big.stat().st_size / 1e6
         for name, mb, n, load_s, train_s, enc_s in throughput(tmp, big, bpe, args.vocab):
-            print(f"| {name} | {mb:.1f} | {n:,} | {load_s:.1f} | {train_s:.1f} | {enc_s:.1f} "
-                  f"| {n / enc_s:,.0f} |")  # fmt: skip
+            times = (f"{load_s:.1f}", f"{train_s:.1f}", f"{enc_s:.1f}")
+            print(md_row([name, f"{mb:.1f}", f"{n:,}", *times, f"{n / enc_s:,.0f}"]))
             if mb < big_mb * 0.99:
-                print(f"| {name} at {big_mb:.0f} MB (extrapolated, linear) | {big_mb:.0f} | "
-                      f"~{n * big_mb / mb:,.0f} | | | ~{enc_s * big_mb / mb:.0f} | |")  # fmt: skip
+                extra = [f"~{n * big_mb / mb:,.0f}", "", "", f"~{enc_s * big_mb / mb:.0f}", ""]
+                label = f"{name} at {big_mb:.0f} MB (extrapolated, linear)"
+                print(md_row([label, f"{big_mb:.0f}", *extra]))
         print(f"\n## Two ranks on CPU, {args.steps} steps, bytes (RSS: the largest rank)")
-        print("| corpus MB | launch | cache | peak RSS MB | data s | data ready s | wall s |")
-        print("|---|---|---|---|---|---|---|")
+        head = ["corpus MB", "launch", "cache", "peak RSS MB", "data s", "data ready s", "wall s"]
+        print("\n".join(md_table(head, [])))
         hits = {}
         for label, path in (("small", small), ("big", big)):
             mb = path.stat().st_size / 1e6
             for k in ("first", "second"):
                 r = launch(tmp, path, f"{label}-{k}", args.steps, env)
                 cache = "built" if r["built"] else "hit"
-                print(f"| {mb:.0f} | {k} | {cache} | {r['rss_mb']:.0f} | {r['data']:.2f} "
-                      f"| {r['ready']:.1f} "
-                      f"| {r['wall']:.1f} |")  # fmt: skip
+                nums = [f"{r['rss_mb']:.0f}", f"{r['data']:.2f}", f"{r['ready']:.1f}"]
+                print(md_row([f"{mb:.0f}", k, cache, *nums, f"{r['wall']:.1f}"]))
                 hits[label, k] = r
         ratio = hits["big", "second"]["rss_mb"] / hits["small", "second"]["rss_mb"]
         print(f"\npeak RSS, cache hit, {args.mb:g} MB / {args.small_mb:g} MB corpus: "

@@ -168,8 +168,15 @@ def test_vocab_follows_the_tokenizer_and_a_mismatch_is_refused_before_anything(t
         ["stabilize-train", *bpe, "model.vocab_size=512", f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
     )
-    assert r.returncode != 0 and message in r.stderr
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert not (run_dir / "config.json").exists() and not (run_dir / "checkpoints").exists()
+    # A data error at start-up: one line too (the CLI prints ConfigErrors, exit code 2).
+    r = run_cli(
+        ["stabilize-train", "data.tokenizer=./no/tok.json", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "data.tokenizer='./no/tok.json' is not allowed: no such file or directory" in r.stderr
 
 
 def test_stream_dtype_uint16_where_the_vocabulary_fits_else_uint32(tmp_path, hf_cache):
