@@ -6,6 +6,11 @@ One concern per file, in pipeline order:
 - ``corpus.py``: the corpus as a ``datasets.Dataset`` (embedded / local files / hub).
 - ``tokenizer.py``: the ``Tokenizer`` protocol, the registry (``bytes``), corpus -> stream,
   bits per byte.
+- ``hf_tokenizer.py``: HF ``tokenizers`` behind the protocol (a trained byte-level BPE, a
+  ``tokenizer.json``, a hub name); ``choice.py``: ``data.tokenizer`` resolved, and the
+  model's vocabulary that follows it.
+- ``token_file.py`` and ``cache.py``: the token cache, built once and memory-mapped by every
+  rank (docs/data.md).
 - ``packing.py``: the stream as next-token blocks; the contiguous train/val split.
 - ``sampler.py``: the batch of every micro-step as a pure function of (seed, step).
 - ``loaders.py``: ``build_dataloaders`` wires the stages for one rank.
@@ -13,11 +18,15 @@ One concern per file, in pipeline order:
 No Lightning, Hydra or torch.distributed here: rank and world_size are passed in.
 """
 
+from stabilize.data.cache import CachedCorpus, default_cache_dir, open_token_cache
+from stabilize.data.choice import TRAINERS, TokenizerChoice, choose_tokenizer, follow_vocab
 from stabilize.data.config import SOURCES, SUFFIX_BUILDERS, DataConfig
-from stabilize.data.corpus import DOC_SEPARATOR, embedded_corpus, load_corpus
+from stabilize.data.corpus import DOC_SEPARATOR, embedded_corpus, load_corpus, load_val_corpus
+from stabilize.data.hf_tokenizer import HFTokenizer, train_bpe
 from stabilize.data.loaders import build_dataloaders, token_stream
 from stabilize.data.packing import PackedBlocks, StepTagged, split_stream
 from stabilize.data.sampler import StepSampler, epoch_permutation
+from stabilize.data.token_file import TokenArray
 from stabilize.data.tokenizer import (
     DEFAULT_TOKENIZER,
     TOKENIZERS,
@@ -26,6 +35,8 @@ from stabilize.data.tokenizer import (
     bits_per_byte,
     build_tokenizer,
     register_tokenizer,
+    stream_dtype,
+    token_byte_counts,
     tokenize,
 )
 
@@ -35,20 +46,33 @@ __all__ = [
     "SOURCES",
     "SUFFIX_BUILDERS",
     "TOKENIZERS",
+    "TRAINERS",
     "ByteTokenizer",
+    "CachedCorpus",
     "DataConfig",
+    "HFTokenizer",
     "PackedBlocks",
     "StepSampler",
     "StepTagged",
+    "TokenArray",
     "Tokenizer",
+    "TokenizerChoice",
     "bits_per_byte",
     "build_dataloaders",
     "build_tokenizer",
+    "choose_tokenizer",
+    "default_cache_dir",
     "embedded_corpus",
     "epoch_permutation",
+    "follow_vocab",
     "load_corpus",
+    "load_val_corpus",
+    "open_token_cache",
     "register_tokenizer",
     "split_stream",
+    "stream_dtype",
+    "token_byte_counts",
     "token_stream",
     "tokenize",
+    "train_bpe",
 ]

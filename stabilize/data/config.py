@@ -19,7 +19,7 @@ def check_int(key: str, value: Any, lo: int = 0, hi: int | None = None) -> None:
     bad_int = isinstance(value, bool) or not isinstance(value, int)
     if bad_int or value < lo or (hi is not None and value > hi):
         allowed = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
-        raise ValueError(f"{key}={value!r} is not allowed; must be {allowed}")
+        raise ConfigError(f"{key}={value!r} is not allowed; must be {allowed}")
 
 
 @dataclass
@@ -52,20 +52,36 @@ class DataConfig:
     """DataLoader worker processes."""
     max_chars: int | None = None
     """A cap on the corpus size, in characters of document text (None: all of it)."""
+    tokenizer: str = "bytes"
+    """bytes (UTF-8 bytes, ids 0-255) | bpe (a byte-level BPE trained on the training text,
+    ``vocab_size`` ids) | another registered name | a path to a ``tokenizer.json`` or to a
+    directory saved by ``transformers`` | a hub name (online only). See choice.py."""
+    vocab_size: int = 8192
+    """bpe only: the vocabulary to train, at least the 256 byte ids (read by nothing else)."""
+    cache_dir: str | None = None
+    """Where token caches live (docs/data.md). None: $STABILIZE_CACHE_DIR, else
+    $XDG_CACHE_HOME/stabilize, else ~/.cache/stabilize."""
+    val_paths: list[str] = field(default_factory=list)
+    """local only: files holding the validation text (same type as ``paths``); [] holds out
+    the tail of the stream (``val_fraction``)."""
+    val_split: str | None = "validation"
+    """hub only: the dataset's own validation split, used when the dataset has it (then
+    ``val_fraction`` is not used); None: always the tail split."""
 
     def __post_init__(self) -> None:
         check_choice("data.source", self.source, SOURCES)
-        # A str or Path is one file; anything else is a sequence of them (Hydra's ListConfig
-        # is converted by train.py, but a tuple should not surprise anyone either).
-        raw = [self.paths] if isinstance(self.paths, (str, Path)) else list(self.paths)
-        self.paths = [str(p) for p in raw]
+        self.paths, self.val_paths = _as_list(self.paths), _as_list(self.val_paths)
         if self.source == "local":
-            self._check_paths()
-        elif self.paths:
-            raise ValueError(
-                f"data.paths={self.paths!r} is not allowed with data.source={self.source!r}; "
-                "allowed: [] (paths are read only with data.source='local')"
-            )
+            self._check_paths("data.paths", self.paths)
+            if self.val_paths:
+                self._check_paths("data.val_paths", self.val_paths)
+                self._check_one_type([*self.paths, *self.val_paths])
+        for key in ("paths", "val_paths"):
+            if self.source != "local" and getattr(self, key):
+                raise ConfigError(
+                    f"data.{key}={getattr(self, key)!r} is not allowed with data.source="
+                    f"{self.source!r}; allowed: [] (read only with data.source='local')"
+                )
         # '???' is Hydra's "must be given" marker (configs/data/hub.yaml): not a name to fetch
         named = isinstance(self.name, str) and self.name not in ("", "???")
         if (self.source == "hub") != named:
@@ -77,28 +93,50 @@ class DataConfig:
         for key in ("split", "text_field"):
             value = getattr(self, key)
             if not isinstance(value, str) or not value:
-                raise ValueError(f"data.{key}={value!r} is not allowed; must be a non-empty str")
+                raise ConfigError(f"data.{key}={value!r} is not allowed; must be a non-empty str")
         check_range("data.val_fraction", self.val_fraction, 0.0, 0.5)
         check_positive("data.batch_size", self.batch_size, integer=True)
         check_int("data.seed", self.seed)
         check_int("data.num_workers", self.num_workers)
         if self.max_chars is not None:
             check_positive("data.max_chars", self.max_chars, integer=True)
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ConfigError(
+                f"data.tokenizer={self.tokenizer!r} is not allowed; must be a non-empty str "
+                "(bytes, bpe, a tokenizer path or a hub name)"
+            )
+        check_int("data.vocab_size", self.vocab_size, 256, 2**32)
+        for key in ("cache_dir", "val_split"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"data.{key}={value!r} is not allowed; allowed: None or a str")
 
-    def _check_paths(self) -> None:
-        if not self.paths:
-            raise ValueError(
-                "data.paths=[] is not allowed; data.source='local' needs files with suffixes "
+    @staticmethod
+    def _check_paths(key: str, paths: list[str]) -> None:
+        if not paths:
+            raise ConfigError(
+                f"{key}=[] is not allowed; data.source='local' needs files with suffixes "
                 f"{sorted(SUFFIX_BUILDERS)}"
             )
-        for p in self.paths:
-            check_choice(f"data.paths[{p!r}] suffix", Path(p).suffix.lower(), SUFFIX_BUILDERS)
+        for p in paths:
+            check_choice(f"{key}[{p!r}] suffix", Path(p).suffix.lower(), SUFFIX_BUILDERS)
             if not Path(p).is_file():
-                raise ValueError(f"data.paths={self.paths!r} is not allowed; no such file: {p!r}")
-        builders = {SUFFIX_BUILDERS[Path(p).suffix.lower()] for p in self.paths}
+                raise ConfigError(f"{key}={paths!r} is not allowed; no such file: {p!r}")
+        DataConfig._check_one_type(paths, key)
+
+    @staticmethod
+    def _check_one_type(paths: list[str], key: str = "data.paths + data.val_paths") -> None:
+        builders = {SUFFIX_BUILDERS[Path(p).suffix.lower()] for p in paths}
         if len(builders) > 1:
-            suffixes = sorted({Path(p).suffix.lower() for p in self.paths})
-            raise ValueError(
-                f"data.paths={self.paths!r} is not allowed: it mixes file types {suffixes}; "
+            suffixes = sorted({Path(p).suffix.lower() for p in paths})
+            raise ConfigError(
+                f"{key}={paths!r} is not allowed: it mixes file types {suffixes}; "
                 "allowed: files of one type (.txt/.text, .jsonl/.json or .parquet)"
             )
+
+
+def _as_list(paths: Any) -> list[str]:
+    """A str or Path is one file; anything else is a sequence of them (Hydra's ListConfig is
+    converted by train.py, but a tuple should not surprise anyone either)."""
+    raw = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    return [str(p) for p in raw]

@@ -1,28 +1,44 @@
 """Corpora as HF ``datasets``: the embedded one, local files, or a hub name / dataset directory.
 
 A corpus is a ``datasets.Dataset`` with one document per row in ``text_field``; turning it
-into tokens is tokenizer.py's job.
+into tokens is tokenizer.py's job. ``load_val_corpus`` is the corpus's own validation text
+when it has one (``data.val_paths``, a hub dataset's ``validation`` split), and
+``corpus_identity`` is what the token cache (cache.py) keys a corpus by.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
+from typing import Any
 
 import datasets
 
 from stabilize.data.config import SUFFIX_BUILDERS, DataConfig
-from stabilize.validate import check_choice
+from stabilize.validate import ConfigError, check_choice
 
 # Between documents in the token stream, and what a .txt file's paragraphs are split on.
 DOC_SEPARATOR = "\n\n"
 
 
+def _is_text(feature: Any) -> bool:
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
+
+
 def require_column(ds: datasets.Dataset, text_field: str) -> None:
-    """A clear error when the corpus has no ``text_field`` column."""
+    """A clear error when the corpus has no ``text_field`` column, or one that is not text."""
     if text_field not in ds.column_names:
-        raise ValueError(
+        raise ConfigError(
             f"data.text_field={text_field!r} is not a column of the corpus; "
             f"columns present: {ds.column_names}"
+        )
+    feature = ds.features[text_field]
+    if not _is_text(feature):
+        texts = [c for c in ds.column_names if _is_text(ds.features[c])]
+        raise ConfigError(
+            f"data.text_field={text_field!r} is not allowed: that column holds {feature}, not "
+            f"text; allowed: the text columns {texts}"
         )
 
 
@@ -59,18 +75,30 @@ def embedded_corpus(max_chars: int | None = None) -> datasets.Dataset:
     return _cap_chars(ds, "text", max_chars)
 
 
-def _load_hub(cfg: DataConfig) -> datasets.Dataset:
+def _load_hub(cfg: DataConfig, split: str | None = None) -> datasets.Dataset | None:
+    """The ``split`` of the hub dataset (default ``cfg.split``); None when ``split`` is given
+    and the dataset does not have it (the optional validation split)."""
+    optional = split is not None
+    split = split or cfg.split
     # load_dataset refuses save_to_disk directories ("use load_from_disk instead"); those
     # hold state.json (a Dataset) or dataset_dict.json (a DatasetDict).
     path = Path(cfg.name)
     if any((path / f).is_file() for f in ("state.json", "dataset_dict.json")):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
-            check_choice("data.split", cfg.split, list(ds))
-            ds = ds[cfg.split]
+            if optional and split not in ds:
+                return None
+            check_choice("data.split", split, list(ds))
+            ds = ds[split]
+        elif optional:  # a bare Dataset has no other split
+            return None
         return ds
     try:
-        return datasets.load_dataset(cfg.name, cfg.config_name, split=cfg.split)
+        return datasets.load_dataset(cfg.name, cfg.config_name, split=split)
+    except ValueError as e:
+        if optional and "Unknown split" in str(e):
+            return None
+        raise
     except ConnectionError as e:
         # Without HF_DATASETS_OFFLINE=1, an unreachable hub costs ~25 s of retries first.
         raise ConnectionError(
@@ -79,17 +107,87 @@ def _load_hub(cfg: DataConfig) -> datasets.Dataset:
         ) from e
 
 
+def corpus_name(cfg: DataConfig) -> str:
+    """The setting that names the corpus, as ``key=value`` (for error messages)."""
+    if cfg.source == "local":
+        return f"data.paths={cfg.paths!r}"
+    return f"data.name={cfg.name!r}" if cfg.source == "hub" else "data.source='embedded'"
+
+
+def _load_files(cfg: DataConfig, paths: list[str], key: str) -> datasets.Dataset:
+    # datasets fails on an empty file with an unhelpful error (or a bare StopIteration):
+    # empty files hold no documents, so they are left out, and none at all is an empty corpus.
+    files = [p for p in paths if os.path.getsize(p) > 0]
+    if not files:
+        raise ConfigError(
+            f"{key}={paths!r} is not allowed: the corpus is empty (every file has 0 bytes); "
+            "allowed: files with at least one non-empty document"
+        )
+    builder = SUFFIX_BUILDERS[Path(files[0]).suffix.lower()]
+    # .txt: one row per paragraph; joined again with DOC_SEPARATOR, a file gives the same
+    # stream as its text would as a json or parquet row ("line" would drop the newlines).
+    kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+
+
 def load_corpus(cfg: DataConfig) -> datasets.Dataset:
     """The corpus ``cfg`` names, capped at ``cfg.max_chars``, with its text column checked."""
     if cfg.source == "embedded":
         ds = embedded_corpus()
     elif cfg.source == "local":
-        builder = SUFFIX_BUILDERS[Path(cfg.paths[0]).suffix.lower()]
-        # .txt: one row per paragraph; joined again with DOC_SEPARATOR, a file gives the same
-        # stream as its text would as a json or parquet row ("line" would drop the newlines).
-        kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=cfg.paths, split="train", **kwargs)
+        ds = _load_files(cfg, cfg.paths, "data.paths")
     else:
         ds = _load_hub(cfg)
     require_column(ds, cfg.text_field)
     return _cap_chars(ds, cfg.text_field, cfg.max_chars)
+
+
+def load_val_corpus(cfg: DataConfig) -> datasets.Dataset | None:
+    """The corpus's own validation text (``data.val_paths``, or the hub dataset's
+    ``data.val_split`` when it has one), not capped; None: hold out the tail instead."""
+    if cfg.source == "local" and cfg.val_paths:
+        ds = _load_files(cfg, cfg.val_paths, "data.val_paths")
+    elif cfg.source == "hub" and cfg.val_split and cfg.val_split != cfg.split:
+        ds = _load_hub(cfg, cfg.val_split)
+        if ds is None:
+            return None
+    else:
+        return None
+    require_column(ds, cfg.text_field)
+    return ds
+
+
+def _file_ids(paths: list[str]) -> list[list[Any]]:
+    # Paths, sizes and modification times, not a content hash: a hit costs a stat per file
+    # instead of reading the whole corpus on every launch of every rank; any write to a file
+    # changes its mtime (docs/data.md says what this misses).
+    return [[str(Path(p).resolve()), os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in paths]
+
+
+def _hub_id(ds: datasets.Dataset) -> str:
+    # datasets' own fingerprint of the prepared split (its builder config and data files);
+    # it is what datasets itself keys its cache by.
+    return ds._fingerprint
+
+
+def corpus_identity(cfg: DataConfig) -> dict[str, Any]:
+    """What the corpus of ``cfg`` is, as JSON-able data: equal identities, equal text.
+
+    embedded: a hash of the text (465k characters, ~1 ms); local: each file's resolved path,
+    size and mtime (no read); hub: datasets' fingerprint of the split (loading it is a
+    memory-mapped cache hit after the first launch).
+    """
+    ident: dict[str, Any] = {"source": cfg.source, "text_field": cfg.text_field}
+    ident["max_chars"] = cfg.max_chars
+    if cfg.source == "embedded":
+        text = "\x00".join(embedded_corpus()["text"])
+        ident["sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    elif cfg.source == "local":
+        ident["files"] = _file_ids(cfg.paths)
+        ident["val_files"] = _file_ids(cfg.val_paths)
+    else:
+        ident |= {"name": cfg.name, "config_name": cfg.config_name, "split": cfg.split}
+        ident["fingerprint"] = _hub_id(_load_hub(cfg))
+        val = load_val_corpus(cfg)
+        ident["val"] = None if val is None else [cfg.val_split, _hub_id(val)]
+    return ident

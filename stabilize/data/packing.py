@@ -6,9 +6,12 @@ order; StepTagged carries each item's data step so a consumer can tell a stale p
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.data import Dataset
 
+from stabilize.data.token_file import TokenArray
 from stabilize.validate import check_positive, check_range
 
 
@@ -16,14 +19,22 @@ class PackedBlocks(Dataset):
     """Item i: x = stream[i*T : i*T+T], y = stream[i*T+1 : i*T+T+1] (next-token targets).
 
     Windows of T+1 tokens that share only their boundary token, so every token is a target
-    once per epoch; int64 because that is what embedding lookups and cross_entropy take.
+    once per epoch; int64 because that is what embedding lookups and cross_entropy take. The
+    stream is a tensor or a memory-mapped TokenArray (only the window is read).
     """
 
-    def __init__(self, stream: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        stream: torch.Tensor | TokenArray,
+        block_size: int,
+        token_bytes: torch.Tensor | None = None,
+    ) -> None:
         check_positive("block_size", block_size, integer=True)
         if stream.dim() != 1:
             raise ValueError(f"stream must be 1-D; got shape {tuple(stream.shape)}")
         self.stream, self.block_size = stream, block_size
+        self.token_bytes = token_bytes
+        """int64 [vocab]: the UTF-8 bytes behind each id, for bits per byte (None: one each)."""
 
     def __len__(self) -> int:
         return max(0, (len(self.stream) - 1) // self.block_size)
@@ -49,7 +60,7 @@ class StepTagged(Dataset):
         return (*self.dataset[i], step)
 
 
-def split_stream(stream: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+def split_stream(stream: torch.Tensor | TokenArray, val_fraction: float) -> tuple[Any, Any]:
     """Train = the head, val = the last val_fraction: contiguous, so no block straddles both."""
     check_range("data.val_fraction", val_fraction, 0.0, 0.5)
     n_val = int(len(stream) * val_fraction)

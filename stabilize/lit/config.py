@@ -6,12 +6,13 @@ each validated on construction with the key, the value and the allowed values.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from stabilize.data import DEFAULT_TOKENIZER, TOKENIZERS, DataConfig
+from stabilize.data import DEFAULT_TOKENIZER, DataConfig, choose_tokenizer, follow_vocab
 from stabilize.faults import FaultConfig
 from stabilize.model import GPTConfig
+from stabilize.model.config import PRESETS
 from stabilize.monitors import MonitorConfig
 from stabilize.norms import NormConfig
 from stabilize.rollback import RollbackConfig
@@ -217,14 +218,16 @@ class RunConfig:
         return getattr(self.data, "tokenizer", None) or DEFAULT_TOKENIZER
 
     def _check_vocab(self) -> None:
-        """Every token id must be an embedding row: ``model.vocab_size`` >= the tokenizer's
-        vocabulary (else an IndexError at the first forward). Known here for a tokenizer
-        whose class states its ``vocab_size``; one read from files is checked at start-up
-        (``lit/preflight.py``) with the same wording (``check_vocab``)."""
-        factory = TOKENIZERS.get(self.tokenizer_name())
-        need = getattr(factory, "vocab_size", None)
-        if isinstance(need, int):
-            check_vocab(self.model.vocab_size, need, self.tokenizer_name())
+        """Every token id must be an embedding row (else an IndexError at the first forward).
+        ``model.vocab_size`` left at its preset's value follows ``data.tokenizer`` (issue 14,
+        ``stabilize.data.follow_vocab``); otherwise it must hold the tokenizer's ids, refused
+        here, before anything is written, naming both numbers (``check_vocab``)."""
+        tok_vocab = choose_tokenizer(self.data).vocab_size
+        preset = PRESETS.get(self.model.name, {}).get("vocab_size", GPTConfig.vocab_size)
+        vocab = follow_vocab(self.data, self.model.vocab_size, preset, tok_vocab)
+        if vocab != self.model.vocab_size:
+            self.model = replace(self.model, vocab_size=vocab)
+        check_vocab(self.model.vocab_size, tok_vocab, self.tokenizer_name())
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:

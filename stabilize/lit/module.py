@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stabilize.data import build_dataloaders
+from stabilize.data import bits_per_byte, build_dataloaders
 from stabilize.lit.config import OptimConfig, RunConfig
 from stabilize.model import GPT, set_activation_checkpointing
 from stabilize.norms import Norm
@@ -239,10 +239,28 @@ class GPTLitModule(L.LightningModule):
             g["initial_lr"] = base
             g["lr"] = base * lr_factor(self.model_step, o, self.cfg.trainer.max_steps)
 
+    def on_validation_epoch_start(self):
+        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+
     def validation_step(self, batch, batch_idx):
         loss = self.loss(batch)
         self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
-        self.log("val/bpb", loss / math.log(2), on_step=False, on_epoch=True, sync_dist=True)
+        # Bits per byte for any tokenizer: nats summed over the targets, over the UTF-8 bytes
+        # of text behind them (issue 14), both summed over batches and ranks before dividing.
+        y = batch[1]
+        nbytes = self._loader_cache[1][1].dataset.token_bytes
+        nbytes = y.numel() if nbytes is None else nbytes.to(y.device)[y].sum()
+        self._val_sums += torch.stack(
+            [
+                loss.detach().double() * y.numel(),
+                torch.as_tensor(nbytes, dtype=torch.float64, device=self.device),
+            ]
+        )
+
+    def on_validation_epoch_end(self):
+        nats, nbytes = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum").tolist()
+        if nbytes > 0:
+            self.log("val/bpb", bits_per_byte(nats, nbytes), on_step=False, on_epoch=True)
 
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None

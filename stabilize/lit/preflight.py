@@ -9,8 +9,9 @@ know is checked here, at the top of ``train.run`` (before the run dir is made):
 - the model's parameter names: ``fault.param`` must be one (the model is built on the meta
   device, so this costs no memory; building it also runs the norms' own checks);
 - the data: every local file has content, the corpus is large enough for a block and for
-  each rank's validation batch, and the tokenizer's ids fit ``model.vocab_size`` (the
-  corpus is loaded and tokenized once; the datasets cache makes the run's second load cheap);
+  each rank's validation batch (the token cache is built here, stabilize/data/cache.py, and
+  the run's loaders reuse it; the tokenizer's ids were checked against ``model.vocab_size``
+  by ``RunConfig``);
 - ``resume=PATH``: the file exists and is a checkpoint.
 
 A ``ValueError`` raised while building the config or running these checks is a config
@@ -28,9 +29,9 @@ from typing import Any
 
 import torch
 
-from stabilize.data import build_dataloaders, build_tokenizer
+from stabilize.data import build_dataloaders
 from stabilize.lit.build import LaunchEnv
-from stabilize.lit.config import RunConfig, check_vocab
+from stabilize.lit.config import RunConfig
 from stabilize.model import GPT
 from stabilize.validate import ConfigError
 
@@ -116,8 +117,8 @@ def check_data(cfg: RunConfig, world: int) -> None:
                 "files with at least one document"
             )
     with config_errors(), _quiet_datasets():
-        tokenizer = build_tokenizer(cfg.tokenizer_name())
-        check_vocab(cfg.model.vocab_size, tokenizer.vocab_size, cfg.tokenizer_name())
+        # Through the token cache (issue 14): built here, once per node, mapped; the run's
+        # own loaders then find it. The ids were checked against the model by RunConfig.
         build_dataloaders(
             cfg.data,
             cfg.model.block_size,
@@ -125,7 +126,6 @@ def check_data(cfg: RunConfig, world: int) -> None:
             world_size=world,
             num_steps=None,
             val_batches=cfg.trainer.limit_val_batches,
-            tokenizer=tokenizer,
         )
 
 
