@@ -55,3 +55,22 @@ def test_durable_snapshots_are_pruned_to_the_newest_by_step(keep, tmp_path):
 def test_retention_counts_are_positive_or_minus_one(value, tmp_path):
     with pytest.raises(ValueError, match=f"rollback.keep_durable={value}"):
         compose_run(tmp_path, [f"rollback.keep_durable={value}"])
+
+
+def test_a_damaged_durable_snapshot_is_named_on_load(tmp_path):
+    """Durable snapshots carry the same checksum footer as checkpoints (stabilize/io.py):
+    one flipped byte is caught on load with the file's name, not unpickled into wrong
+    weights."""
+    import torch
+
+    from stabilize.io import DamagedFile
+    from stabilize.rollback import load_durable, save_durable
+
+    snap = Snapshot(7, {"w": torch.arange(4096, dtype=torch.float32)}, 1.0)
+    path = save_durable(snap, tmp_path)
+    assert torch.equal(load_durable(path).state["w"], snap.state["w"])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedFile, match=path.name):
+        load_durable(path)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stabilize.io import atomic_torch_save
+from stabilize.io import atomic_torch_save, verified_load
 
 _ATOMIC = (int, float, bool, str, bytes, type(None))
 
@@ -209,5 +209,7 @@ class DurableWriter:
 
 
 def load_durable(path: str | Path) -> Snapshot:
-    d = torch.load(path, map_location="cpu", weights_only=False)
+    """A durable snapshot, its checksum verified (``stabilize.io.DamagedFile`` names a
+    damaged file; one written before checksums loads unverified)."""
+    d = verified_load(path)
     return Snapshot(d["step"], d["state"], d["wall"])
