@@ -144,7 +144,8 @@ class StabilityProbe:
           inf * 0 = NaN (LayerNorm's mean subtraction makes the whole row NaN). Such a row
           also overflows when its statistic is inf;
         - *collapsed* (dead): overflowed although the input was finite in the reduction dtype:
-          x * rsqrt(inf) = 0 exactly, a dead token with a zero gradient.
+          x * rsqrt(inf) = 0 exactly, a dead token; its gradient is 0 too, unless an fp16
+          element reaches 32752 (the square's backward forms 2x = inf: inf * 0 = NaN).
 
         The other backends reduce in fp32: only a non-finite input breaks them (that row
         turns NaN, which the NaN monitor reports), so only their |x| max is measured.
