@@ -76,7 +76,7 @@ def test_spike_detector_matches_a_direct_median_mad_rule_on_a_heavy_tailed_serie
         if len(window) >= 15:
             med = statistics.median(window)
             mad = statistics.median(abs(w - med) for w in window)
-            z = (v - med) / max(1.4826 * mad, 1e-12 * max(abs(med), 1.0))
+            z = (v - med) / max(1.4826 * mad, 0.01 * abs(med), 1e-6)  # the floored sigma
             expect = z > 5.0 and v > 1.5 * med
         assert bool(d.update(step, v)) == expect, step
         assert d.median() == statistics.median(d.values) if d.values else True
@@ -85,6 +85,40 @@ def test_spike_detector_matches_a_direct_median_mad_rule_on_a_heavy_tailed_serie
             window.append(v)
     assert list(d.values) == list(window)
     assert 20 < fired < 120  # the planted spikes, not every step and not none
+
+
+def test_spike_score_over_a_flat_window_is_finite_and_the_verdict_still_holds():
+    """A constant history has MAD 0: the sigma is floored at 1% of the median (issue 11:
+    it used to report "1.5e11 robust sigmas"), so the score is finite and says how far."""
+    d = SpikeDetector("grad_spike", window=50, warmup=20, threshold=6.0, min_ratio=1.5)
+    for s in range(30):
+        assert d.update(s, 2.0) == []
+    assert d.score(2.0) == 0.0
+    assert d.score(3.2) == pytest.approx((3.2 - 2.0) / (0.01 * 2.0))  # 60 sigmas, not 1e11
+    ev = d.update(30, 3.2)  # a true spike (1.6x the flat median) still fires
+    assert len(ev) == 1 and ev[0].extra["z"] == pytest.approx(60.0)
+    assert ev[0].extra["floored"] and "60.0 robust sigmas" in ev[0].message
+    assert "flat window" in ev[0].message
+
+
+def test_tiny_jitter_over_a_flat_window_is_not_a_spike_even_without_the_ratio_rule():
+    """With min_ratio at 1 only the z-score judges: a rise of a few fp16 ulps (2^-9 at 2)
+    over a flat window is 0.2-0.5 sigma, not a spike; the unfloored MAD called it ~1e9."""
+    d = SpikeDetector("loss_spike", window=50, warmup=20, threshold=6.0, min_ratio=1.0)
+    for s in range(30):
+        d.update(s, 2.0)
+    for s, v in enumerate((2.0 + 2**-9, 2.0 + 2**-8, 2.01), start=30):
+        assert d.update(s, v) == [], v
+        assert 0 < d.score(v) < 1
+    assert d.update(40, 2.2)  # 10% up is 10 sigmas at the floor: a spike to this rule
+
+
+def test_a_window_of_zeros_scores_finitely():
+    d = SpikeDetector("grad_spike", window=30, warmup=10, threshold=6.0)
+    for s in range(15):
+        d.update(s, 0.0)
+    assert d.score(1e-3) == pytest.approx(1e3)  # against the absolute floor 1e-6
+    assert d.update(15, 0.0) == []
 
 
 def test_spike_detector_rejects_warmup_longer_than_window():

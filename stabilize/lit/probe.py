@@ -3,7 +3,8 @@
 Series, in a fixed order (so every rank stacks the same vector):
 - ``h.{i}``: the residual stream after block i, |x| max;
 - every norm by module name (``h.{i}.ln_1``, ``ln_f``, ...): its input's |x| max, rows
-  whose reduction overflowed, rows that collapsed to zeros, largest row RMS (the last three
+  whose reduction overflowed, rows that collapsed to zeros (dead), rows whose input is not
+  finite in the reduction dtype (their output is NaN), largest row RMS (all but the first
   for the explicit backend, the one whose reduction can overflow; the norm hands its input
   and statistic to ``record_norm`` from its own forward);
 - ``h.{i}.attn``: an upper bound on the attention logit, max|q| max|k| / sqrt(d_head)
@@ -11,7 +12,7 @@ Series, in a fixed order (so every rank stacks the same vector):
 
 Everything lands in one preallocated fp32 device buffer, laid out as
 ``[lead | block max | attn bound | norm |x| max | norm RMS max | overflow rows | collapsed
-rows]``, where ``lead`` slots are the caller's (the stability callback writes the step's
+rows | NaN rows]``, where ``lead`` slots are the caller's (the stability callback writes the step's
 loss, grad norm, loss scale and found-inf flag there: the whole step is then one vector):
 maxima fold in with max (NaN wins), counts with +, across the micro-batches of one optimizer
 step; ``reset()`` starts the next step. On CPU the |x| max is one pass of a C++ kernel
@@ -33,6 +34,8 @@ class StabilityProbe:
     # Series measured on detailed steps only (``reset(detailed=...)``): the log steps, or
     # every step when a monitor declares it among its ``needs``.
     DETAILED_ONLY = frozenset({"attn_logit"})
+    # The per-norm counts after the maxima, in buffer order (StepStats fields)
+    COUNTS = ("norm_overflow", "norm_collapsed", "norm_nan_rows")
 
     def __init__(self, model: nn.Module, lead: int = 0):
         self.model = model
@@ -43,10 +46,8 @@ class StabilityProbe:
         nb, na, nn_ = len(self.blocks), len(self.attn), len(self.norms)
         o = lead
         self._o_block, self._o_attn, self._o_norm = o, o + nb, o + nb + na
-        self._o_rms, self._o_over, self._o_dead = (
-            o + nb + na + nn_,
-            o + nb + na + 2 * nn_,
-            o + nb + na + 3 * nn_,
+        self._o_rms, self._o_over, self._o_dead, self._o_nan = (
+            o + nb + na + k * nn_ for k in (1, 2, 3, 4)
         )
         self.n_maxima = nb + na + 2 * nn_
         self.buf: torch.Tensor | None = None  # allocated on the model's device by reset()
@@ -77,7 +78,7 @@ class StabilityProbe:
     @property
     def size(self) -> int:
         """Slots in the buffer, the caller's lead included."""
-        return self.lead + self.n_maxima + 2 * len(self.norms)
+        return self.lead + self.n_maxima + len(self.COUNTS) * len(self.norms)
 
     def _allocate(self, device) -> None:
         self.buf = torch.zeros(self.size, device=device)
@@ -134,8 +135,18 @@ class StabilityProbe:
         its per-row statistic ``ms`` (mean square + eps, or sum + eps for ScaleNorm, in the
         reduction dtype: inf exactly where the reduction overflowed).
 
-        A row *overflowed* when its statistic is inf; it *collapsed* when it overflowed
-        although its input was finite: x * rsqrt(inf) = 0, a dead token with a zero gradient.
+        Three row counts, read in the reduction dtype (``ms.dtype``), where the norm computes
+        (backends.py casts x to it first), not in the dtype x arrives in (issue 11):
+
+        - *overflowed*: the statistic is inf;
+        - *NaN-producing*: the input is not finite once cast to the reduction dtype (NaN, inf,
+          or an fp32 |x| >= 65520, which the fp16 cast rounds to inf): x * rsqrt(inf) has an
+          inf * 0 = NaN (LayerNorm's mean subtraction makes the whole row NaN). Such a row
+          also overflows when its statistic is inf;
+        - *collapsed* (dead): overflowed although the input was finite in the reduction dtype:
+          x * rsqrt(inf) = 0 exactly, a dead token; its gradient is 0 too, unless an fp16
+          element reaches 32752 (the square's backward forms 2x = inf: inf * 0 = NaN).
+
         The other backends reduce in fp32: only a non-finite input breaks them (that row
         turns NaN, which the NaN monitor reports), so only their |x| max is measured.
         """
@@ -148,6 +159,9 @@ class StabilityProbe:
         with torch.no_grad():
             rowmax = torch.maximum(x.amax(-1), -x.amin(-1))  # [...]; NaN propagates
             bad = torch.isinf(ms.squeeze(-1))
+            # |x| max is monotone under the cast: a row is finite in the reduction dtype iff
+            # its largest |x_i| is (NaN stays NaN)
+            finite = torch.isfinite(rowmax.to(ms.dtype))
             # the type says how its statistic reads as a mean square (ScaleNorm's is a sum)
             mean_sq = get_norm_type(kind).mean_square(ms.float().amax(), x.shape[-1])
             for k, v in (
@@ -156,7 +170,8 @@ class StabilityProbe:
             ):
                 buf[k] = torch.maximum(buf[k], v)
             buf[self._o_over + j] += bad.sum()
-            buf[self._o_dead + j] += (bad & torch.isfinite(rowmax)).sum()
+            buf[self._o_dead + j] += (bad & finite).sum()
+            buf[self._o_nan + j] += (~finite).sum()
 
     # ---- the step's vector ------------------------------------------------------------------
     def vector(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +179,7 @@ class StabilityProbe:
         counts with sum.
 
         maxima = [block |x| max..., attn bound..., norm |x| max..., norm RMS max...]
-        counts = [norm overflow rows..., norm collapsed rows...]
+        counts = [norm overflow rows..., norm collapsed rows..., norm NaN rows...]
         A pre-norm block's own slot stays 0: ``unpack`` reads it from the next norm's.
         """
         if self.buf is None:
@@ -188,8 +203,8 @@ class StabilityProbe:
         out["norm_rms_max"] = {
             k: v for k, v in zip(self.norms, maxima[nb + na + nn_ :], strict=True) if v >= 0
         }
-        out["norm_overflow"] = dict(zip(self.norms, counts[:nn_], strict=True))
-        out["norm_collapsed"] = dict(zip(self.norms, counts[nn_:], strict=True))
+        for k, field in enumerate(self.COUNTS):
+            out[field] = dict(zip(self.norms, counts[k * nn_ : (k + 1) * nn_], strict=True))
         return out
 
     @staticmethod

@@ -80,7 +80,7 @@ class ActivationConfig:
 
 class ActivationMonitor:
     name = "activation"
-    needs = ("act_max", "norm_overflow", "norm_collapsed")
+    needs = ("act_max", "norm_overflow", "norm_collapsed", "norm_nan_rows")
 
     @classmethod
     def from_config(cls, name: str, c: ActivationConfig) -> ActivationMonitor:
@@ -146,16 +146,18 @@ class ActivationMonitor:
         for norm, n in stats.norm_overflow.items():
             if n > 0:
                 dead = stats.norm_collapsed.get(norm, 0)
+                nan = stats.norm_nan_rows.get(norm, 0)
                 events.append(
                     Event(
                         self.on_overflow,
                         "overflow",
                         step,
                         f"{norm}: {int(n)} rows' reduction overflowed, {int(dead)} tokens "
-                        f"collapsed to zeros (zero gradient: silently dead)",
+                        f"collapsed to zeros (zero gradient: silently dead); {int(nan)} rows "
+                        f"not finite in the reduction dtype output NaN",
                         layer=norm,
                         value=float(n),
-                        extra={"collapsed": dead},
+                        extra={"collapsed": dead, "nan_rows": nan},
                     )
                 )
         return events

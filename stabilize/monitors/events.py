@@ -48,6 +48,8 @@ class StepStats:
     act_max: dict[str, float] = field(default_factory=dict)  # layer -> |x| max
     norm_overflow: dict[str, float] = field(default_factory=dict)  # norm -> rows overflowed
     norm_collapsed: dict[str, float] = field(default_factory=dict)  # norm -> dead rows
+    # norm -> rows whose input is not finite in the reduction dtype (they output NaN)
+    norm_nan_rows: dict[str, float] = field(default_factory=dict)
     norm_rms_max: dict[str, float] = field(default_factory=dict)  # norm -> largest row RMS
     attn_logit: dict[str, float] = field(default_factory=dict)  # block -> logit upper bound
 
@@ -63,5 +65,6 @@ SERIES_METRICS = {
     "attn_logit": "attn_logit",
     "norm_overflow": "overflow",
     "norm_collapsed": "dead",
+    "norm_nan_rows": "nan_rows",
     "norm_rms_max": "rms",
 }

@@ -6,6 +6,15 @@ window: they are the NaN monitor's business, and one inf would poison every late
 A value is a spike when (value - median) / (1.4826 * MAD) > threshold, 1.4826 making the
 MAD a consistent estimate of sigma for Gaussian noise; and only above the median (a
 sudden drop in loss is not a fault).
+
+A flat window (a constant series: a dead network's grad norm of exactly 0, a loss stuck at
+ln 256) has MAD 0, and dividing by it reported "1.5e11 robust sigmas" (issue 11). sigma is
+floored: max(1.4826 MAD, REL_FLOOR |median|, ABS_FLOOR). REL_FLOOR = 1% sits above the
+rounding of a 16-bit value (fp16 2^-11, bf16 2^-9 relative), so a few ulps of jitter is never
+many sigmas, and far below the min_ratio gap (50% at the default 1.5): a value that passes
+min_ratio over a flat window scores at least (min_ratio - 1) / REL_FLOOR = 50 sigmas, a finite
+score that still clears any usual threshold; the event then says the sigma was floored.
+ABS_FLOOR keeps a series at exactly 0 finite.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from stabilize.monitors.events import ROLLBACK, WARN, Event, StepStats
 from stabilize.validate import check_choice, check_positive
 
 MAD_TO_SIGMA = 1.4826
+REL_FLOOR = 0.01  # sigma >= 1% of |median| (see above)
+ABS_FLOOR = 1e-6  # ... and >= 1e-6: a window of zeros still gives a finite score
 
 
 class SpikeDetector:
@@ -52,9 +63,14 @@ class SpikeDetector:
         if len(self.values) < self.warmup:
             return None
         med = self.median()
-        mad = statistics.median(abs(v - med) for v in self.values)
-        sigma = max(MAD_TO_SIGMA * mad, 1e-12 * max(abs(med), 1.0))
-        return (value - med) / sigma
+        return (value - med) / self.sigma(med)[0]
+
+    def sigma(self, med: float) -> tuple[float, bool]:
+        """(the window's robust sigma, whether the floor set it): a flat window's MAD is 0
+        (module docstring)."""
+        raw = MAD_TO_SIGMA * statistics.median(abs(v - med) for v in self.values)
+        floor = max(REL_FLOOR * abs(med), ABS_FLOOR)
+        return max(raw, floor), raw < floor
 
     def _append(self, value: float) -> None:
         if len(self.values) == self.values.maxlen:
@@ -70,18 +86,20 @@ class SpikeDetector:
         # so the MAD is only computed for a value already min_ratio x above the median.
         n = len(self.values)
         if n and n >= self.warmup and value > self.min_ratio * (med := self.median()):
-            z = self.score(value)
+            sigma, floored = self.sigma(med)
+            z = (value - med) / sigma
             if z > self.threshold:
+                flat = f" (flat window: sigma floored at {sigma:.3g})" if floored else ""
                 events.append(
                     Event(
                         self.kind,
                         self.name,
                         step,
                         f"{self.name} spike: {value:.4g} is {z:.1f} robust sigmas above the "
-                        f"median {med:.4g} of the last {len(self.values)} steps",
+                        f"median {med:.4g} of the last {len(self.values)} steps{flat}",
                         value=value,
                         threshold=self.threshold,
-                        extra={"median": med, "z": z},
+                        extra={"median": med, "z": z, "sigma": sigma, "floored": floored},
                     )
                 )
                 return events  # a spike does not enter the window it is judged against

@@ -59,6 +59,28 @@ class Run:
         return sorted({k for r in self.rows for k in r if k.startswith(prefix)})
 
 
+# The step's scalars logged on every step (stabilize/lit/stability/sink.py STEP_METRICS) and
+# the names the report reads: where a run has them they replace Lightning's log-step-only
+# values, so a peak between log steps is in the table and the plots (issue 11).
+PER_STEP = {
+    "train/loss_step": "train/loss",
+    "train/grad_norm_step": "train/grad_norm",
+    "train/loss_scale_step": "train/loss_scale",
+}
+
+
+def per_step(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Rows with each per-step series under its plain name (the log-step duplicates of a
+    series the run logged per step dropped); rows of a run without them, unchanged."""
+    have = {k for r in rows for k in r if k in PER_STEP}
+    for r in rows:
+        for k in have:
+            r.pop(PER_STEP[k], None)
+            if k in r:
+                r[PER_STEP[k]] = r.pop(k)
+    return rows
+
+
 def _num(v: Any) -> float | None:
     try:
         return float(v)
@@ -151,7 +173,7 @@ def _csv_rows(run_dir: Path, warnings: list[str]) -> list[dict[str, float]]:
         except (OSError, csv.Error) as e:
             warnings.append(f"{f}: unreadable ({e}); the rest of the file skipped")
         _warn_lines(warnings, f, bad)
-    return rows
+    return per_step(rows)
 
 
 def _history_rows(history: list[dict[str, Any]]) -> list[dict[str, float]]:
@@ -165,7 +187,7 @@ def _history_rows(history: list[dict[str, Any]]) -> list[dict[str, float]]:
         r = {k: v for k, v in ((k, _num(v)) for k, v in h.items()) if v is not None}
         r["x"] = step + 1
         rows.append(r)
-    return rows
+    return per_step(rows)
 
 
 def _arm(config: dict[str, Any], fallback: str) -> str:
@@ -244,15 +266,18 @@ def events_from_rows(rows: list[dict[str, float]], threshold: float = 256.0) -> 
                     {"kind": "warn", "monitor": "activation", "step": model_step, "layer": k[4:]}
                 )
             if k.startswith("overflow/") and v > 0:
-                dead = r.get("dead/" + k[len("overflow/") :], 0.0)
+                norm = k[len("overflow/") :]
                 events.append(
                     {
                         "kind": "warn",
                         "monitor": "overflow",
                         "step": model_step,
-                        "layer": k[len("overflow/") :],
+                        "layer": norm,
                         "value": v,
-                        "extra": {"collapsed": dead},
+                        "extra": {
+                            "collapsed": r.get("dead/" + norm, 0.0),
+                            "nan_rows": r.get("nan_rows/" + norm, 0.0),
+                        },
                     }
                 )
         n = r.get("stability/rollbacks")

@@ -34,6 +34,9 @@ class ArmSummary:
     first_overflow: int | None = None
     overflow_rows: float = 0.0
     dead_tokens: float = 0.0
+    # rows whose input was not finite in the reduction dtype (e.g. |x| >= 65520 cast to fp16):
+    # they output NaN, they are not dead (issue 11); summed over the same overflow events
+    nan_rows: float = 0.0
     scaler_skips: int = 0
     # share of steps the GradScaler skipped before the trouble: before the drift starts, or
     # before the first overflow / 256 crossing / the end when nothing is injected
@@ -69,6 +72,10 @@ def _first(events, monitor, kind=None) -> dict | None:
         if e.get("monitor") == monitor and (kind is None or e.get("kind") == kind):
             return e
     return None
+
+
+def _extra_sum(events: list[dict], key: str) -> float:
+    return sum(float((e.get("extra") or {}).get(key) or 0) for e in events)
 
 
 def _healthy_audits(run: Run, before: int | None) -> list[dict]:
@@ -112,7 +119,8 @@ def summarize(run: Run) -> ArmSummary:
     if overflows:
         s.first_overflow = int(overflows[0]["step"])
         s.overflow_rows = sum(float(e.get("value") or 0) for e in overflows)
-        s.dead_tokens = sum(float((e.get("extra") or {}).get("collapsed") or 0) for e in overflows)
+        s.dead_tokens = _extra_sum(overflows, "collapsed")
+        s.nan_rows = _extra_sum(overflows, "nan_rows")
     skips = [e for e in ev if e.get("monitor") == "loss_scale" and e.get("kind") == "skip"]
     s.scaler_skips = len(skips)
     rb = [e for e in ev if e.get("monitor") == "rollback" and e.get("kind") == "rollback"]
@@ -168,7 +176,8 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
         chain = [
             f"|x| max first passed {LINE:g} at step {_fmt_step(base.first_over_line)}",
             f"the first fp16 reduction overflowed at step {base.first_overflow} "
-            f"({base.dead_tokens:g} token rows zeroed over all norms and steps)",
+            f"({base.dead_tokens:g} token rows zeroed{_nan_part(base)} over all norms and "
+            f"steps)",
         ]
         if base.first_nonfinite is not None:
             where = f" in {base.nonfinite_where}" if base.nonfinite_where else ""
@@ -206,7 +215,9 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
             continue
         what = []
         if a.first_overflow is not None:
-            what.append(f"overflowed at step {a.first_overflow} ({a.dead_tokens:g} dead rows)")
+            what.append(
+                f"overflowed at step {a.first_overflow} ({a.dead_tokens:g} dead rows{_nan_part(a)})"
+            )
         if a.first_nonfinite is not None:
             what.append(f"went non-finite at step {a.first_nonfinite}")
         else:
@@ -247,6 +258,13 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
     return out
 
 
+def _nan_part(a: ArmSummary) -> str:
+    """The NaN-producing rows beside the dead ones, when there were any."""
+    return (
+        f", {a.nan_rows:g} rows turned NaN (input past the reduction dtype)" if a.nan_rows else ""
+    )
+
+
 def _recovered(a: ArmSummary) -> bool:
     return a.status == "done" and a.first_nonfinite is None
 
@@ -259,6 +277,7 @@ def table(arms: list[ArmSummary]) -> list[list[Any]]:
         "first |x|>256",
         "first overflow",
         "dead rows (sum)",
+        "NaN rows (sum)",
         "first non-finite",
         "256 warning lead",
         "scaler skips",
@@ -285,6 +304,7 @@ def table(arms: list[ArmSummary]) -> list[list[Any]]:
                 mark + _fmt_step(a.first_over_line),
                 mark + _fmt_step(a.first_overflow),
                 f(a.dead_tokens, "{:g}"),
+                f(a.nan_rows, "{:g}"),
                 mark
                 + _fmt_step(a.first_nonfinite)
                 + (f" ({a.nonfinite_where})" if a.nonfinite_where else ""),

@@ -138,8 +138,8 @@ class StabilityCallback(L.Callback):
             return  # a stale batch, or mid-accumulation: no optimizer step was judged
         stats, events, fault = self._pending
         self._pending = None
-        if trainer.global_step % trainer.log_every_n_steps == 0:
-            self._log_stats(trainer, stats)
+        # the step's scalars every step, the per-layer series on log steps (sink.py)
+        self._log_stats(trainer, stats, trainer.global_step % trainer.log_every_n_steps == 0)
         for e in events:
             self.sink.emit(trainer, e)
         if fault is not None:
@@ -152,9 +152,9 @@ class StabilityCallback(L.Callback):
         """One vector, one collective, one host transfer."""
         return self.gather(trainer, pl_module, optimizer, self.probe)
 
-    def _log_stats(self, trainer, s: StepStats) -> None:
+    def _log_stats(self, trainer, s: StepStats, layers: bool = True) -> None:
         dims = self.probe.dims if self.probe is not None else None
-        self.sink.log_stats(trainer, s, self.suite.forecast, dims)
+        self.sink.log_stats(trainer, s, self.suite.forecast, dims, layers)
 
     def _snapshot(self, trainer, pl_module) -> None:
         self.controller.snapshot(trainer, pl_module)

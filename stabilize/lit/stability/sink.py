@@ -2,7 +2,8 @@
 
 Events go to ``events.jsonl`` (one JSON line each, rank 0), the console, W&B alerts (warn,
 rollback and abort) and the ``stability/*s`` counts; the per-layer statistics of a log step
-go to every logger under the prefixes of ``monitors.SERIES_METRICS``.
+go to every logger under the prefixes of ``monitors.SERIES_METRICS``; the step's loss, grad
+norm and loss scale go to every logger on *every* step (``STEP_METRICS``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,18 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from stabilize.monitors import SERIES_METRICS, Event, StepStats
 from stabilize.numerics import sum_of_squares_rms_limit
+
+# The step's scalars, logged on every optimizer step under these names (issue 11: logged only
+# every log_every_n_steps, a grad-norm peak of 13.7 showed up as 3.18). They are the host
+# values the gather already holds (no extra sync): what the monitors judged, i.e. the mean
+# loss over the step's micro-batches and the loss scale this step ran with (before the
+# scaler's update). Lightning's ``train/loss`` etc. stay on log steps; the report reads
+# these in their place where a run has them (report/load.py).
+STEP_METRICS = {
+    "loss": "train/loss_step",
+    "grad_norm": "train/grad_norm_step",
+    "loss_scale": "train/loss_scale_step",
+}
 
 
 class EventSink:
@@ -48,10 +61,30 @@ class EventSink:
         s: StepStats,
         forecast: dict[str, float],
         dims: dict[str, int] | None,
+        layers: bool = True,
     ) -> None:
-        """A log step's statistics; ``dims``: each norm's width (the probe's), for the
-        headroom; ``forecast``: the monitors' steps left per layer."""
+        """A step's statistics, one logger call: the scalars of ``STEP_METRICS`` on every
+        step, and with ``layers`` (log steps) the per-layer series too. ``dims``: each norm's
+        width (the probe's), for the headroom; ``forecast``: the monitors' steps left per
+        layer."""
         m: dict[str, float] = {"train/step": float(s.step)}
+        if layers:
+            m.update(self._layer_metrics(s, forecast, dims))
+        # kept when non-finite: a NaN loss or an inf grad norm is the news
+        m.update({k: float(v) for f, k in STEP_METRICS.items() if (v := getattr(s, f)) is not None})
+        # Host floats, straight to the loggers (rank 0): self.log's per-key bookkeeping
+        # cost ~10 ms per log step for the per-layer series.
+        if trainer.is_global_zero:
+            # the step Lightning's own self.log rows use at this point (one less than
+            # global_step), so per-layer rows line up with train/loss in CSV and W&B
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            for lg in trainer.loggers:
+                lg.log_metrics(m, step=step)
+
+    def _layer_metrics(
+        self, s: StepStats, forecast: dict[str, float], dims: dict[str, int] | None
+    ) -> dict[str, float]:
+        m: dict[str, float] = {}
         for field, prefix in SERIES_METRICS.items():
             m.update({f"{prefix}/{k}": v for k, v in getattr(s, field).items()})
         # fp16 sum-of-squares headroom: how far each row RMS may still grow before the sum
@@ -67,12 +100,4 @@ class EventSink:
             )
         m.update({f"forecast/{k}": min(v, 1e6) for k, v in forecast.items()})
         m.update({f"stability/{k}s": float(v) for k, v in self.counts.items()})
-        m = {k: v for k, v in m.items() if math.isfinite(v)}
-        # Host floats, straight to the loggers (rank 0): self.log's per-key bookkeeping
-        # cost ~10 ms per log step for the per-layer series.
-        if trainer.is_global_zero:
-            # the step Lightning's own self.log rows use at this point (one less than
-            # global_step), so per-layer rows line up with train/loss in CSV and W&B
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped
-            for lg in trainer.loggers:
-                lg.log_metrics(m, step=step)
+        return {k: v for k, v in m.items() if math.isfinite(v)}
