@@ -14,6 +14,7 @@ from stabilize.faults import FaultConfig
 from stabilize.model import GPTConfig
 from stabilize.model.config import PRESETS
 from stabilize.monitors import MonitorConfig
+from stabilize.monitors.activations import resolve_line
 from stabilize.norms import NormConfig
 from stabilize.rollback import RollbackConfig
 from stabilize.validate import (
@@ -178,6 +179,11 @@ class RunConfig:
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
         # one section per registered monitor (stabilize/monitors/registry.py), not a dataclass
         self.monitor = MonitorConfig.build(self.monitor, "monitor")
+        # the |x| line follows the run's precision and reduction (issue 16, item 7)
+        if "activation" in self.monitor.sections:
+            act = self.monitor.sections["activation"]
+            red = self.model.norm.reduction_dtype
+            self.monitor.sections["activation"] = resolve_line(act, self.precision.name, red)
 
         if self.fault.kind == "activation_drift" and not 0 <= self.fault.layer < self.model.n_layer:
             raise ConfigError(

@@ -4,19 +4,30 @@ of when each layer will cross the line.
 256 is the default because 256^2 = 65536 > 65504 = fp16 max: past it, one square
 overflows. A norm that sums squares in fp16 overflows earlier, when the row RMS passes
 255.94 / sqrt(D); its headroom is reported separately (``sum_headroom``).
+
+The line is a danger only where an fp16 square is taken (issue 16, item 7): an fp16 norm
+reduction, or ``input`` under fp16-mixed. ``monitor.activation.line=auto`` follows the run
+(``resolve_line``, called by the RunConfig): with an fp32/bf16 reduction the crossing and its
+forecast become INFO events that say what the line means there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from stabilize.monitors.events import ROLLBACK, WARN, Event, StepStats
+from stabilize.monitors.events import INFO, ROLLBACK, WARN, Event, StepStats
 from stabilize.numerics import DANGER_LINE
 from stabilize.validate import check_choice, check_positive
+
+LINES = ("auto", "fp16_square", "info", "off")
+ACT_DTYPES = ("fp32", "bf16", "fp16")
+FP16_MAX = 65504.0
+_ACT_DTYPE = {"fp32": "fp32", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
 
 _PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # W -> (i, j, j - i)
 
@@ -68,6 +79,15 @@ class ActivationConfig:
     """Refit the forecast every N steps."""
     on_overflow: str = "warn"
     """warn | rollback, when a norm's reduction overflows."""
+    line: str = "auto"
+    """What crossing ``threshold`` means. ``fp16_square``: a WARN (one fp16 square overflows
+    past 255.94). ``info``: an INFO event (no fp16 square is taken in this run's norms).
+    ``off``: no crossing or forecast events. ``auto``: the run picks (``resolve_line``):
+    fp16_square with an fp16 reduction, info otherwise; a monitor built without a run
+    treats auto as fp16_square, today's line."""
+    activation_dtype: str = "fp32"
+    """The dtype the run's activations are held in; set by the run from ``precision.name``
+    (``resolve_line``), it words the info message (fp16 activations overflow at 65504)."""
 
     def __post_init__(self):
         check_positive("monitor.activation.threshold", self.threshold)
@@ -76,6 +96,42 @@ class ActivationConfig:
         check_positive("monitor.activation.forecast_min", self.forecast_min)
         check_positive("monitor.activation.forecast_every", self.forecast_every, integer=True)
         check_choice("monitor.activation.on_overflow", self.on_overflow, ("warn", "rollback"))
+        check_choice("monitor.activation.line", self.line, LINES)
+        check_choice("monitor.activation.activation_dtype", self.activation_dtype, ACT_DTYPES)
+
+
+def resolve_line(c: ActivationConfig, precision: str, reduction_dtype: str) -> ActivationConfig:
+    """The run's ``monitor.activation`` with ``line=auto`` resolved and the activation dtype
+    filled, from ``precision.name`` and ``norm.reduction_dtype`` (plain strings: this module
+    stays Lightning-free; the RunConfig calls it where Hydra stops).
+
+    An fp16 square is taken only by an fp16 reduction, or ``input`` whose input is fp16
+    (fp16-mixed). fp32 and bf16 reductions square in a type with fp32's exponent range:
+    256 is no danger there, so auto makes it INFO rather than off (the |x| max is still
+    worth a line in the log). A user who wants the WARN anyway sets ``line=fp16_square``.
+    """
+    act = _ACT_DTYPE[precision]
+    fp16_square = reduction_dtype == "fp16" or (reduction_dtype == "input" and act == "fp16")
+    line = c.line
+    if line == "auto":
+        line = "fp16_square" if fp16_square else "info"
+    return dataclasses.replace(c, line=line, activation_dtype=act)
+
+
+def line_meaning(line: str, activation_dtype: str) -> str:
+    """What crossing the line means for the run, for the event message."""
+    if line == "fp16_square":
+        return "an fp16 square overflows past 255.94"
+    if activation_dtype == "fp16":
+        # fp16 activations with a wider reduction: the norm is safe, the cast is not
+        return (
+            f"info: no fp16 square in this run's norms; its fp16 activations overflow "
+            f"when cast past {FP16_MAX:g}"
+        )
+    return (
+        f"info: no fp16 square in this run's norms; {activation_dtype} activations "
+        f"have fp32's range"
+    )
 
 
 class ActivationMonitor:
@@ -91,6 +147,8 @@ class ActivationMonitor:
             on_overflow=c.on_overflow,
             forecast_min=c.forecast_min,
             forecast_every=c.forecast_every,
+            line="fp16_square" if c.line == "auto" else c.line,
+            activation_dtype=c.activation_dtype,
         )
 
     def __init__(
@@ -102,6 +160,8 @@ class ActivationMonitor:
         on_overflow: str = "warn",
         forecast_min: float = 8.0,
         forecast_every: int = 10,
+        line: str = "fp16_square",
+        activation_dtype: str = "fp32",
     ):
         """``forecast_min``: no forecast warning below this |x| max. Activations grow
         fast early in training from their ~0.5 start; a line fit there predicts a crossing
@@ -113,6 +173,10 @@ class ActivationMonitor:
         # ~100 steps, and numpy per step cost ~1% of a tiny-model step.
         self.forecast_every = forecast_every
         self.on_overflow = ROLLBACK if on_overflow == "rollback" else WARN
+        # the crossing's and forecast's severity and wording follow the run (resolve_line)
+        self.line = line
+        self.line_kind = WARN if line == "fp16_square" else INFO
+        self.meaning = line_meaning(line, activation_dtype)
         self.history: dict[str, deque[float]] = {}
         self.above: set[str] = set()  # layers currently past the line (warn once per crossing)
         self.forecast: dict[str, float] = {}  # layer -> steps left (inf: not rising)
@@ -127,18 +191,19 @@ class ActivationMonitor:
                 h.append(math.log(value))
             if value > self.threshold and layer not in self.above:
                 self.above.add(layer)
-                events.append(
-                    Event(
-                        WARN,
-                        "activation",
-                        step,
-                        f"{layer}: |x| max {value:.4g} crossed {self.threshold:g} "
-                        f"(an fp16 square overflows past 255.94)",
-                        layer=layer,
-                        value=value,
-                        threshold=self.threshold,
+                if self.line != "off":
+                    events.append(
+                        Event(
+                            self.line_kind,
+                            "activation",
+                            step,
+                            f"{layer}: |x| max {value:.4g} crossed {self.threshold:g} "
+                            f"({self.meaning})",
+                            layer=layer,
+                            value=value,
+                            threshold=self.threshold,
+                        )
                     )
-                )
             elif value <= self.threshold:
                 self.above.discard(layer)
         if step % self.forecast_every == 0:
@@ -182,21 +247,27 @@ class ActivationMonitor:
             if left >= self.horizon:
                 self.forecast_warned.discard(k)
             near = math.exp(lv) >= self.forecast_min
+            if self.line == "off":
+                continue
             if near and 0 < left < self.horizon and k not in self.above | self.forecast_warned:
                 self.forecast_warned.add(k)
                 events.append(
                     Event(
-                        WARN,
+                        self.line_kind,
                         "forecast",
                         step,
                         f"{k}: |x| max {math.exp(lv):.4g} rising x{math.exp(s):.4f}/step; "
-                        f"crosses {self.threshold:g} in ~{left:.0f} steps",
+                        f"crosses {self.threshold:g} in ~{left:.0f} steps{self._forecast_note()}",
                         layer=k,
                         value=left,
                         threshold=float(self.horizon),
                     )
                 )
         return events
+
+    def _forecast_note(self) -> str:
+        """The forecast's WARN reads as before; an INFO one says why it is no warning."""
+        return "" if self.line_kind == WARN else f" ({self.meaning})"
 
     def state_dict(self) -> dict:
         return {
