@@ -111,7 +111,9 @@ def summarize(run: Run) -> ArmSummary:
             first = loc[0]
             state = "finite" if first.get("input_finite") else "non-finite"
             s.nonfinite_where = f"{first['module']} (input {state})"
-    if (e := _first(ev, "activation", "warn")) is not None:
+    # any kind: the crossing is a WARN where an fp16 square is taken, an INFO elsewhere
+    # (monitor.activation.line), and the column reports when |x| passed 256 either way
+    if (e := _first(ev, "activation")) is not None:
         s.first_over_line = int(e["step"])
     if (e := _first(ev, "forecast")) is not None:
         s.first_forecast = int(e["step"])
