@@ -22,8 +22,13 @@ from conftest import CONFIGS, FAST, compose_run, read_csv_metrics, run_cli, seri
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
 
 
-# Full-scale recipes train here at tiny scale: the same groups and settings, a smaller model.
-AT_TINY_SCALE = {"nan_at_12000": ["model=tiny", "fault.layer=1"]}
+# Full-scale recipes train here at tiny scale: the same groups and settings, a smaller model;
+# a drift fault starts inside the shortened run (one that could never fire is refused) and
+# keeps its planned crossing step, far beyond it.
+AT_TINY_SCALE = {
+    "nan_at_12000": ["model=tiny", "fault.layer=1", "fault.step=3"],
+    "nan_repro": ["fault.step=3"],
+}
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
