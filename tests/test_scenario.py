@@ -202,6 +202,8 @@ def test_report_cli(arms, tmp_path, capsys):
     assert r.returncode == 2 and "--group" in r.stderr
 
 
+@pytest.mark.slow  # 64 s on 2 idle cores; multi-rank rollback is also covered by the
+# default suite's torchrun tests (test_stability, test_two_nodes, test_accumulation)
 def test_repro_nan_script_with_two_torchrun_ranks(tmp_path):
     """The scenario script end to end, shortened, each arm a 2-rank torchrun (gloo)."""
     out = tmp_path / "ddp"
