@@ -164,18 +164,22 @@ def test_every_type_agrees_with_its_reference64_and_copies_keep_their_type(prms,
 
 
 @pytest.mark.parametrize("kind", BUILTIN)
-def test_the_types_reference_is_the_audits_for_the_built_in_types(kind):
-    """The audit's float64 reference (stabilize/lit/audit.py) can read the type's."""
-    from stabilize.lit.audit import reference64
+def test_the_built_in_types_references_match_independent_definitions(kind):
+    """Each built-in type's float64 reference (which the audit and this file's checks lean
+    on) against a definition it does not share code with: torch's own F.layer_norm /
+    F.rms_norm in float64, and ScaleNorm's x / sqrt(sum x^2 + eps) written out here."""
+    import torch.nn.functional as F
 
-    norm = build_norm(32, NormConfig(type=kind))
-    with torch.no_grad():
-        norm.weight.add_(0.25)
-    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(4))
-    want = norm.spec.reference64(x.double(), norm.eps) * norm.weight.double()
-    if norm.bias is not None:
-        want = want + norm.bias.double()
-    assert torch.equal(reference64(norm, x), want)
+    eps = 1e-5
+    x = torch.randn(6, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    x[0] *= 1e-3  # a small-norm row, where eps matters
+    want = {
+        "layernorm": lambda: F.layer_norm(x, (32,), eps=eps),
+        "rmsnorm": lambda: F.rms_norm(x, (32,), eps=eps),
+        "scalenorm": lambda: x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps),
+    }[kind]()
+    got = build_norm(32, NormConfig(type=kind, eps=eps)).spec.reference64(x, eps)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 # ---- the new type trains through the real run() -------------------------------------------
