@@ -282,6 +282,19 @@ def main() -> None:
         _fail(EXIT_CONFIG, one_line(msg), every_rank=True)
     except OSError as e:  # before the app ran: Hydra could not make the run dir
         _fail(EXIT_CONFIG, f"the run dir cannot be made: {file_error(e)}", every_rank=True)
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Under torchrun: wait for every rank, then destroy the process group before the
+    interpreter exits. Left to exit-time destructors, a gloo rank could abort ("terminate
+    called without an active exception") while another node's agent, hosting the
+    rendezvous store, had already gone: both launches then failed (CI, two nodes)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,14 +71,26 @@ class OfflineRun:
     history: list[dict[str, Any]] = field(default_factory=list)
     alerts: list[dict[str, str]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False  # the exit record is there: the run's file is complete
 
     def series(self, key: str) -> list[Any]:
         return [row[key] for row in self.history if key in row]
 
 
-def read_offline_run(run_dir: str | Path) -> OfflineRun:
-    """Parse one ``offline-run-*`` directory (or its .wandb file)."""
-    run_dir = Path(run_dir)
+def read_offline_run(run_dir: str | Path, wait_s: float = 0.0) -> OfflineRun:
+    """Parse one ``offline-run-*`` directory (or its .wandb file). The file is written by
+    W&B's own service process, which may still be writing its tail after ``finish()``
+    returned on a loaded machine: with ``wait_s`` it is read again until its exit record is
+    there (or the time is up; a crashed run never gets one)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = _read_once(Path(run_dir))
+        if out.finished or time.monotonic() >= deadline:
+            return out
+        time.sleep(0.2)
+
+
+def _read_once(run_dir: Path) -> OfflineRun:
     f = run_dir if run_dir.suffix == ".wandb" else next(run_dir.glob("run-*.wandb"))
     out = OfflineRun(path=f)
     for r in records(f):
@@ -97,6 +110,8 @@ def read_offline_run(run_dir: str | Path) -> OfflineRun:
                 out.summary[_item_key(item)] = json.loads(item.value_json)
         elif kind == "alert":
             out.alerts.append({"title": r.alert.title, "text": r.alert.text})
+        elif kind == "exit":
+            out.finished = True
     # W&B stores config values as {"value": v, "desc": ...}
     out.config = {
         k: v.get("value", v) if isinstance(v, dict) else v

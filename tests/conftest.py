@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import subprocess
 import sys
@@ -76,3 +77,21 @@ def run_cli(args, cwd, env=None, timeout=600):
 @pytest.fixture
 def fast():
     return list(FAST)
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """A test that runs Hydra's app in this process gets Hydra's logging set-up: handlers
+    on the root logger bound to that test's captured stream, which pytest then closes.
+    Put the root logger back as it was, so later tests do not log into a closed file."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in root.handlers:
+        if h not in handlers:
+            root.removeHandler(h)
+            h.close()
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)

@@ -41,7 +41,7 @@ def test_torchrun_two_ranks_share_one_run_and_stay_identical(tmp_path):
     assert (run_dir / ".hydra").is_dir() and (run_dir / ".hydra-rank1").is_dir()
     runs = find_offline_runs(run_dir / "wandb")
     assert len(runs) == 1  # rank 0 only
-    w = read_offline_run(runs[0])
+    w = read_offline_run(runs[0], wait_s=30)
     assert w.group == "ddp" and w.series("train/step")[-1] == 6
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 6 and ckpt["stabilize"]["data_step"] == 6
@@ -67,7 +67,7 @@ def test_hydra_multirun_gives_each_member_its_dir_and_one_wandb_group(tmp_path):
         cfg = json.loads((sweep / member / "config.json").read_text())
         types.append(cfg["norm"]["type"])
         (run,) = find_offline_runs(sweep / member / "wandb")
-        groups.add(read_offline_run(run).group)
+        groups.add(read_offline_run(run, wait_s=30).group)
     assert types == ["layernorm", "rmsnorm"]
     assert groups == {"sweep"}
 
@@ -91,7 +91,7 @@ def test_sweep_script_launches_each_member_with_torchrun(tmp_path):
         d = tmp_path / "runs" / "g1" / member
         eps.append(json.loads((d / "config.json").read_text())["norm"]["eps"])
         (run,) = find_offline_runs(d / "wandb")
-        assert read_offline_run(run).group == "g1"
+        assert read_offline_run(run, wait_s=30).group == "g1"
     assert eps == [1e-6, 1e-3]
 
 

@@ -135,7 +135,7 @@ def test_remedy_recovers_through_rollback_with_the_ladder(arms):
 def test_arms_share_one_wandb_group_with_the_same_metric_names(arms):
     groups, keys = set(), []
     for arm in ARMS:
-        w = read_offline_run(find_offline_runs(arms[arm] / "wandb")[-1])
+        w = read_offline_run(find_offline_runs(arms[arm] / "wandb")[-1], wait_s=30)
         groups.add(w.group)
         assert w.config["arm"] == arm
         keys.append({k for row in w.history for k in row})

@@ -317,7 +317,7 @@ def test_nan_in_the_forward_is_localized_to_its_module_and_rolled_back(tmp_path)
     from stabilize.wandb_offline import find_offline_runs, read_offline_run
 
     (w,) = find_offline_runs(tmp_path / "wandb")
-    alerts = read_offline_run(w).alerts
+    alerts = read_offline_run(w, wait_s=30).alerts
     assert any("nonfinite" in a["title"] for a in alerts)
     assert any("rolled back from step 8" in a["text"] for a in alerts)
 

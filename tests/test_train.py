@@ -134,7 +134,8 @@ def test_wandb_offline_run_has_group_tags_config_and_history(tmp_path):
     run(cfg)
     runs = find_offline_runs(tmp_path / "wandb")
     assert len(runs) == 1  # one run per launch
-    r = read_offline_run(runs[0])
+    r = read_offline_run(runs[0], wait_s=30)
+    assert r.finished  # the file ends with W&B's exit record: nothing is cut off
     assert r.group == "rmsnorm_fp16" and r.job_type == "train"
     assert r.tags == ["a", "b"]
     assert r.config["norm"]["type"] == "rmsnorm" and r.config["norm"]["eps"] == 1e-3
