@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from stabilize.exits import EXIT_ABORT, EXIT_CONFIG, EXIT_CRASH, file_error, one_line
+from stabilize.lit import final_eval
 from stabilize.lit.build import build_trainer
 from stabilize.lit.checkpoint import checkpoint_steps, resolve_resume
 from stabilize.lit.config import RunConfig
@@ -126,10 +127,14 @@ def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
         status = "aborted" if isinstance(e, StabilityAbort) else "failed"
         _write_result(run_dir, status, module, trainer, error=f"{type(e).__name__}: {e}")
         raise
+    else:
+        score = _score_held_out(cfg, run_dir, module, trainer)
     finally:
         _finish_wandb(trainer)
     _write_result(run_dir, "done", module, trainer)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if score is not None:
+        metrics.update({"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]})
     return {
         "metrics": metrics,
         "run_dir": str(run_dir),
@@ -150,6 +155,22 @@ def _write_result(run_dir: Path, status: str, module, trainer, error: str | None
         "error": error,
     }
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+
+
+def _score_held_out(cfg: RunConfig, run_dir: Path, module, trainer: L.Trainer) -> dict | None:
+    """After training: the whole held-out split's loss and bits per byte (final_eval.json,
+    and ``final/val_*`` in the loggers at the last step)."""
+    n = cfg.trainer.final_eval_batches
+    if n == 0:
+        return None
+    score = final_eval.held_out_score(module, trainer, n)
+    if trainer.is_global_zero:
+        final_eval.write(run_dir, score)
+        metrics = {"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]}
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=trainer.global_step)
+            lg.save()
+    return score
 
 
 def _finish_wandb(trainer: L.Trainer) -> None:
@@ -209,7 +230,9 @@ def _app(cfg: DictConfig) -> float | None:
     m = result["metrics"]
     if _rank() == 0 and not result.get("nothing_to_train"):
         summary = ", ".join(
-            f"{k} {m[k]:.4f}" for k in ("train/loss", "val/loss", "val/bpb") if k in m
+            f"{k} {m[k]:.4f}"
+            for k in ("train/loss", "val/loss", "val/bpb", "final/val_bpb")
+            if k in m
         )
         print(
             f"done: {result['global_step']} steps, {summary}\nrun dir: {result['run_dir']}",

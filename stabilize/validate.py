@@ -43,6 +43,12 @@ def check_positive(key: str, value: Any, *, integer: bool = False) -> None:
         raise ConfigError(f"{key}={value!r} is not allowed; must be {what}")
 
 
+def check_count(key: str, value: Any) -> None:
+    """A whole number >= 0 (0 usually means off)."""
+    if not _is_number(value) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{key}={value!r} is not allowed; must be an integer >= 0")
+
+
 def check_range(key: str, value: Any, lo: float, hi: float) -> None:
     """lo <= value < hi (NaN is never in range; inf only below an inf ``hi``, i.e. never)."""
     if not _is_number(value) or not lo <= value < hi:

@@ -21,6 +21,7 @@ from stabilize.validate import (
     ConfigError,
     build_dataclass,
     check_choice,
+    check_count,
     check_positive,
     check_range,
 )
@@ -90,11 +91,15 @@ class TrainerConfig:
     # recompute each Block's forward in the backward (stabilize/model/recompute.py): the
     # activations of 16 x 2048 tokens of gpt-1.3b then fit an 80 GB GPU, for ~1/3 more compute
     activation_checkpointing: bool = False
+    # after training, score the whole held-out split (None), its first N batches, or not (0)
+    final_eval_batches: int | None = None
 
     def __post_init__(self) -> None:
+        if self.final_eval_batches is not None:
+            check_count("trainer.final_eval_batches", self.final_eval_batches)
         for key in ("max_steps", "log_every_n_steps", "val_check_interval", "num_nodes"):
             check_positive(f"trainer.{key}", getattr(self, key), integer=True)
-        check_positive("trainer.limit_val_batches", self.limit_val_batches + 1, integer=True)
+        check_count("trainer.limit_val_batches", self.limit_val_batches)
         check_positive(
             "trainer.checkpoint_every_n_steps", self.checkpoint_every_n_steps, integer=True
         )

@@ -30,6 +30,7 @@ RUN_FILES = (
     "diagnosis.json",
     "replicas.json",
     "audit.jsonl",
+    "final_eval.json",
     "checkpoints",
     "snapshots",
     "csv",

@@ -21,7 +21,15 @@ from stabilize.report.chain import chain
 from stabilize.report.load import Run, load_run_dir, load_wandb
 from stabilize.report.naming import arm_names, is_scenario, swept
 from stabilize.report.plots import make_plots
-from stabilize.report.summary import COMPARE, ArmSummary, compare_row, conclusions, summarize, table
+from stabilize.report.summary import (
+    COMPARE,
+    LAST_STEPS,
+    ArmSummary,
+    compare_row,
+    conclusions,
+    summarize,
+    table,
+)
 
 __all__ = [
     "Run",
@@ -49,11 +57,29 @@ def _comparison(runs: list[Run], arms: list[ArmSummary]) -> list[str]:
     rows = [[*keys, *COMPARE]]
     rows += [[*(v[k] for k in keys), *compare_row(a)] for v, a in zip(values, arms, strict=True)]
     lines = ["## Comparison", "", _md_table(rows), ""]
-    done = [a for a in arms if a.final_loss is not None and a.status == "done"]
-    if len(done) > 1:
-        best = min(done, key=lambda a: a.final_loss)
-        lines += [f"Lowest final training loss: `{best.arm}` ({best.final_loss:.3g}).", ""]
+    lines += best_lines(arms)
     return lines
+
+
+def best_lines(arms: list[ArmSummary]) -> list[str]:
+    """Which finished arm did best: by bits per byte on the whole held-out split when every
+    finished arm has it, else by the mean training loss of the last steps."""
+    done = [a for a in arms if a.status == "done" and a.final_loss is not None]
+    if len(done) < 2:
+        return []
+    if all(a.heldout_bpb is not None for a in done):
+        best = min(done, key=lambda a: a.heldout_bpb)
+        return [
+            f"Lowest bits per byte on the whole held-out split ({best.heldout_bytes:,} bytes): "
+            f"`{best.arm}` ({best.heldout_bpb:.4g}).",
+            "",
+        ]
+    best = min(done, key=lambda a: a.final_loss)
+    return [
+        f"Lowest training loss over the last {LAST_STEPS} steps: `{best.arm}` "
+        f"({best.final_loss:.3g}).",
+        "",
+    ]
 
 
 def write_report(runs: list[Run], out: Path, title: str = "stabilize report") -> Path:

@@ -50,6 +50,8 @@ class Run:
     overrides: list[str] | None = None
     # what could not be read, by file and line ("events.jsonl:7: not JSON ...")
     warnings: list[str] = field(default_factory=list)
+    # the end-of-run score on the whole held-out split (final_eval.json), when it was made
+    final_eval: dict[str, Any] | None = None
 
     def series(self, key: str) -> list[tuple[float, float]]:
         """[(x, value)] of one metric, in logging order."""
@@ -231,6 +233,7 @@ def load_run_dir(path: str | Path) -> Run:
     result = _json(d / "result.json", warnings)
     status = result.get("status", "unknown") if isinstance(result, dict) else "unknown"
     diag = _json(d / "diagnosis.json", warnings)
+    score = _json(d / "final_eval.json", warnings) if (d / "final_eval.json").exists() else None
     return Run(
         name=d.name,
         arm=_arm(config, d.name),
@@ -243,6 +246,7 @@ def load_run_dir(path: str | Path) -> Run:
         source=f"{source}: {d}",
         overrides=_overrides(d),
         warnings=warnings,
+        final_eval=score if isinstance(score, dict) else None,
     )
 
 

@@ -15,6 +15,9 @@ from typing import Any
 from stabilize.report.load import Run
 
 LINE = 256.0  # |x| max where one fp16 square overflows (255.94^2 = 65504)
+# "final loss" is the mean training loss over the run's last LAST_STEPS model steps: one
+# batch's loss is too noisy to rank arms by (issue 11)
+LAST_STEPS = 20
 
 
 @dataclass
@@ -47,8 +50,10 @@ class ArmSummary:
     triggers: list[str] = field(default_factory=list)  # "monitor@step" that rolled back
     aborted: bool = False
     loss_before: float | None = None  # the last logged loss before the line is crossed
-    final_loss: float | None = None
-    final_val_bpb: float | None = None
+    final_loss: float | None = None  # mean over the last LAST_STEPS model steps
+    final_val_bpb: float | None = None  # the last periodic validation (a few batches)
+    heldout_bpb: float | None = None  # the whole held-out split after training
+    heldout_bytes: int | None = None
     rel_err: float | None = None  # median relative error of norm outputs vs float64
     flattened: float | None = None  # share of rows > 5% off sqrt(D) (eps's cost)
     exact: bool = True
@@ -65,6 +70,16 @@ class ArmSummary:
         if self.first_over_line is None or self.first_nonfinite is None:
             return None
         return self.first_nonfinite - self.first_over_line
+
+
+def last_steps_mean(losses: list[tuple[float, float]]) -> float:
+    """Mean training loss over the last LAST_STEPS model steps: (model step, loss) pairs in
+    logging order; a step replayed after a rollback counts with its last value. A non-finite
+    loss among them makes the mean non-finite (the run did end that way)."""
+    by_step = dict(losses)
+    last = max(by_step)
+    window = [v for st, v in by_step.items() if st > last - LAST_STEPS]
+    return sum(window) / len(window)
 
 
 def _first(events, monitor, kind=None) -> dict | None:
@@ -139,7 +154,7 @@ def summarize(run: Run) -> ArmSummary:
     s.steps_taken = int(max((r["x"] for r in run.rows), default=0))
     losses = [(r.get("train/step", r["x"]), r["train/loss"]) for r in run.rows if "train/loss" in r]
     if losses:
-        s.final_loss = losses[-1][1]
+        s.final_loss = last_steps_mean(losses)
         line_at = s.first_over_line or fault.get("cross_step")
         if line_at:
             before = [v for st, v in losses if st < line_at]
@@ -153,6 +168,9 @@ def summarize(run: Run) -> ArmSummary:
         s.early_skip_share = len(early) / (trouble - 1)
     bpb = [v for _, v in run.series("val/bpb")]
     s.final_val_bpb = bpb[-1] if bpb else None
+    if run.final_eval and run.final_eval.get("bpb") is not None:
+        s.heldout_bpb = float(run.final_eval["bpb"])
+        s.heldout_bytes = int(run.final_eval.get("bytes") or 0)
     cut = min([x for x in (s.first_overflow, s.first_nonfinite) if x is not None], default=None)
     healthy = _healthy_audits(run, cut)
     if healthy:
@@ -285,7 +303,8 @@ def table(arms: list[ArmSummary]) -> list[list[Any]]:
         "scaler skips",
         "rollbacks (remedies)",
         "loss before",
-        "final loss",
+        f"final loss (last {LAST_STEPS} steps)",
+        "held-out bpb",
         "norm rel. err",
         "flattened rows",
     ]
@@ -316,6 +335,7 @@ def table(arms: list[ArmSummary]) -> list[list[Any]]:
                 f"{a.rollbacks}" + (f" ({', '.join(a.remedies)})" if a.remedies else ""),
                 f(a.loss_before),
                 f(a.final_loss),
+                f(a.heldout_bpb, "{:.4g}"),
                 f(a.rel_err, "{:.2e}"),
                 f(None if a.flattened is None else 100 * a.flattened, "{:.2g}%"),
             ]
@@ -327,8 +347,9 @@ def table(arms: list[ArmSummary]) -> list[list[Any]]:
 COMPARE = [
     "status",
     "model steps",
-    "final loss",
-    "final val bpb",
+    f"final loss (last {LAST_STEPS} steps)",
+    "last val bpb",
+    "held-out bpb",
     "first |x|>256",
     "first overflow",
     "first non-finite",
@@ -346,6 +367,7 @@ def compare_row(a: ArmSummary) -> list[str]:
         str(a.steps),
         f(a.final_loss),
         f(a.final_val_bpb),
+        f(a.heldout_bpb),
         _fmt_step(a.first_over_line),
         _fmt_step(a.first_overflow),
         _fmt_step(a.first_nonfinite),

@@ -1,0 +1,83 @@
+"""The end-of-run score on the whole held-out split (issue 11, item 4).
+
+Periodic validation reads ``trainer.limit_val_batches`` batches: cheap, but on the scenario's
+corpus 4 batches are 2,048 bytes, most of them one ASCII table, and two arms' order can flip
+on the whole split. After training, every rank scores its share of *all* the held-out blocks
+(``trainer.final_eval_batches``: null = all, N = the first N batches, 0 = off), in the run's
+own precision (the numbers the run would give a user), summing nats, tokens and the UTF-8
+bytes behind the targets; the sums are reduced over ranks and written to
+``final_eval.json``: loss per token and bits per byte, with the counts they came from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from stabilize.data import bits_per_byte, build_dataloaders
+
+FILE = "final_eval.json"
+
+
+def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any]:
+    """Score ``module.model`` on the held-out blocks; every rank must call this."""
+    cfg = module.cfg
+    rank, world = trainer.global_rank, trainer.world_size
+    _, val = build_dataloaders(
+        cfg.data, cfg.model.block_size, rank=0, world_size=1, num_steps=0, val_batches=None
+    )
+    blocks = val.dataset
+    b = cfg.data.batch_size
+    n = math.ceil(len(blocks) / b)
+    n = n if max_batches is None else min(n, max_batches)
+    # the same number of forwards on every rank (a sharded model gathers in each); a rank's
+    # padding batch is block 0 again, weighted 0
+    per_rank = math.ceil(n / world)
+    device = trainer.strategy.root_device
+    model = module.model.to(device)
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
+    token_bytes = blocks.token_bytes
+    try:
+        with torch.no_grad(), trainer.precision_plugin.forward_context():
+            for k in range(per_rank):
+                i = rank + k * world
+                idx = range(i * b, min(i * b + b, len(blocks))) if i < n else range(1)
+                x, y = (
+                    torch.stack(t).to(device) for t in zip(*(blocks[j] for j in idx), strict=True)
+                )
+                logits = model(x)
+                nats = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+                nb = y.numel() if token_bytes is None else token_bytes.to(device)[y].sum()
+                w = 1.0 if i < n else 0.0
+                sums += w * torch.stack(
+                    [nats.double(), torch.tensor(float(y.numel()), device=device).double(),
+                     torch.as_tensor(nb, device=device).double()]
+                )  # fmt: skip
+    finally:
+        model.train(was_training)
+    nats, tokens, nbytes = trainer.strategy.reduce(sums, reduce_op="sum").tolist()
+    return {
+        "loss": nats / tokens if tokens else math.nan,
+        "bpb": bits_per_byte(nats, nbytes) if nbytes else math.nan,
+        "tokens": int(tokens),
+        "bytes": int(nbytes),
+        "batches": n,
+        "held_out_blocks": len(blocks),
+        "model_step": module.model_step,
+    }
+
+
+def write(run_dir: Path, score: dict[str, Any]) -> None:
+    (Path(run_dir) / FILE).write_text(json.dumps(score, indent=2))
+
+
+def read(run_dir: Path) -> dict[str, Any] | None:
+    p = Path(run_dir) / FILE
+    return json.loads(p.read_text()) if p.is_file() else None
