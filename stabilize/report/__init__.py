@@ -106,7 +106,10 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
         "activation warning; *first overflow*: the first norm whose fp16 sum of squares "
         "overflowed (its rows come out as zeros with a zero gradient: dead tokens); *256 "
         "warning lead*: steps from that warning to the first non-finite value; *loss before*: "
-        "the last logged loss before the line was crossed; *norm rel. err*: median relative "
+        f"the last logged loss before the line was crossed; *final loss*: the mean training "
+        f"loss of the last {LAST_STEPS} model steps; *held-out bpb*: bits per byte on the "
+        "whole held-out split after training (`final_eval.json`; `-` where the run did not "
+        "finish or the score was off); *norm rel. err*: median relative "
         "error of every norm's output against float64 on held-out batches, on steps the fault "
         "had not reached (the precision's own cost); *flattened rows*: share of norm rows more "
         "than 5% off sqrt(D) with gamma at 1 (the cost of a large eps).",
@@ -120,6 +123,16 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
             "- (no run had anything to conclude from)"
         ]
         lines += [""]
+    told = [(a.arm, a.rollback_story) for a in arms if a.rollback_story]
+    if told:
+        lines += ["## Rollbacks", ""]
+        lines += [
+            "Each rollback: the verdicts that called for it, the rung of the ladder it took, "
+            "what that rung changed, and whether a later rollback undid it.",
+            "",
+        ]
+        for arm, story in told:
+            lines += [f"### {arm}", "", *story, ""]
     unreadable = [w for r in runs for w in r.warnings]
     if unreadable:  # what was skipped, by file and line: the rest is reported above and below
         lines += ["## Warnings", "", *(f"- {w}" for w in unreadable), ""]

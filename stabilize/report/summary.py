@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stabilize.report.load import Run
+from stabilize.report.rollbacks import rollback_lines
 
 LINE = 256.0  # |x| max where one fp16 square overflows (255.94^2 = 65504)
 # "final loss" is the mean training loss over the run's last LAST_STEPS model steps: one
@@ -48,6 +49,7 @@ class ArmSummary:
     rollbacks: int = 0
     remedies: list[str] = field(default_factory=list)
     triggers: list[str] = field(default_factory=list)  # "monitor@step" that rolled back
+    rollback_story: list[str] = field(default_factory=list)  # report/rollbacks.py, per rollback
     aborted: bool = False
     loss_before: float | None = None  # the last logged loss before the line is crossed
     final_loss: float | None = None  # mean over the last LAST_STEPS model steps
@@ -146,6 +148,7 @@ def summarize(run: Run) -> ArmSummary:
     if rb:  # the verdicts that called for them (without rollback they are verdicts only)
         verdicts = [e for e in ev if e.get("kind") == "rollback" and e.get("monitor") != "rollback"]
         s.triggers = sorted({f"{e['monitor']}@{e['step']}" for e in verdicts})
+    s.rollback_story = rollback_lines(ev)
     s.aborted = run.status == "aborted" or _first(ev, "rollback", "abort") is not None
     scales = [v for _, v in run.series("train/loss_scale") if math.isfinite(v)]
     s.min_loss_scale = min(scales) if scales else None
