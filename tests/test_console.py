@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import lightning as L
 import pytest
 
 from stabilize.lit.summary import final_summary, read_events
@@ -142,3 +143,25 @@ def test_final_summary_names_each_rollback_and_the_config_it_ended_with(ladder, 
     assert f"-> back to step {back}, remedy {remedy}" in lines[1]
     assert lines[2] == f"ended with: {changed} (the remedies')"
     assert result["ended_with"]["remedies"] == [remedy]
+
+
+class _Bar(L.Callback):
+    """Reads the Rich bar's train task and its metrics at the end of training."""
+
+    def on_train_end(self, trainer, pl_module):
+        bar = trainer.progress_bar_callback
+        task = bar.progress.tasks[bar.train_progress_bar_id]
+        self.seen = (task.description, task.total, task.completed)
+        self.metrics = bar.get_metrics(trainer, pl_module)
+
+
+def test_the_rich_bar_counts_model_steps_to_the_stop_step(tmp_path):
+    grab = _Bar()
+    out = run(
+        compose_run(tmp_path, [*FAST, "logger=none", "trainer.progress=rich"]),
+        callbacks=[grab],
+    )
+    # Lightning's own bar: "Epoch 0/-2", total unknown ("--"), no ETA
+    assert grab.seen == ("train", 4, out["model_step"])
+    assert set(grab.metrics) == {"loss", "grad_norm", "lr"}  # fp32: no loss scale; no v_num
+    assert float(grab.metrics["loss"]) == pytest.approx(out["metrics"]["train/loss"], rel=1e-3)
