@@ -122,7 +122,11 @@ LADDER = [
             ["rollback.ladder=[fp32_reduction]", "norm.reduction_dtype=fp16"],
             "norm.reduction_dtype fp16 -> fp32",
         ),
-        (["rollback.ladder=[lower_lr]", "optim.lr=0.002"], "optim.lr x0.5 (0.002 -> 0.001)"),
+        pytest.param(
+            ["rollback.ladder=[lower_lr]", "optim.lr=0.002"],
+            "optim.lr x0.5 (0.002 -> 0.001)",
+            marks=pytest.mark.slow,  # the same path as the case above; ~5 s
+        ),
     ],
 )
 def test_final_summary_names_each_rollback_and_the_config_it_ended_with(ladder, changed, tmp_path):
