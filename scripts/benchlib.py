@@ -30,8 +30,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import stabilize.train  # noqa: E402  (also registers the config's resolvers)
-from stabilize.lit.callbacks import PlainProgress  # noqa: E402
 from stabilize.lit.config import RunConfig  # noqa: E402
+from stabilize.lit.progress import PlainProgress  # noqa: E402
 
 CONFIGS = {
     "tiny": ["model=tiny"],

@@ -9,7 +9,8 @@
 # bf16 (bf16 autocast, bf16 reduction); large_eps (eps 1e-3); remedy (rollback with the ladder
 # skip_data -> lower_lr -> fp32_reduction). All arms share one W&B group (the out dir's name).
 # An arm that stops with an error (e.g. an abort, exit 3) is part of the story: the others
-# still run, and the report says so. Writes DIR/report.md and DIR/*.png (stabilize-report).
+# still run, and the report says so. Each arm's console streams to stderr as it runs (lines
+# prefixed with the arm) and is kept in DIR/<arm>.log. Writes DIR/report.md and DIR/*.png.
 # Python: $PYTHON if set (e.g. PYTHON=.venv/bin/python), else `python` on PATH.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -20,7 +21,7 @@ while [[ $# -gt 0 ]]; do
     --experiment) experiment="$2"; shift 2 ;;
     --arms) arms="$2"; shift 2 ;;
     --nproc-per-node) nprocs="$2"; shift 2 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) echo "repro_nan.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -46,8 +47,12 @@ for i in "${!list[@]}"; do
   arm="${list[$i]}"
   echo "[$((i + 1))/${#list[@]}] arm=$arm -> $out/$arm ($((SECONDS - start)) s so far)" >&2
   rc=0
+  # the arm's console (step lines, stability events, its summary) streams as it runs, each
+  # line prefixed with the arm, and goes whole into its log; rc: the launch's (pipefail)
   STABILIZE_RUN_DIR="$out/$arm" "$here/launch.sh" --nproc-per-node "$nprocs" --run-id "$group-$arm" \
-    -- "experiment=$experiment" "arm=$arm" "logger.group=$group" "$@" > "$out/$arm.log" 2>&1 || rc=$?
+    -- "experiment=$experiment" "arm=$arm" "logger.group=$group" "$@" 2>&1 \
+    | tee "$out/$arm.log" | while IFS= read -r line; do printf '    %s | %s\n' "$arm" "$line"; done >&2 \
+    || rc=$?
   case "$rc" in 0) what=done ;; 2) what="config error" ;; 3) what="aborted (stability)" ;; *) what=crashed ;; esac
   echo "    arm=$arm: $what (exit $rc); log $out/$arm.log" >&2
 done

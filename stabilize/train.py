@@ -18,30 +18,27 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
+# Only what Hydra's app needs to start: ``stabilize-train --help`` and a bad override cost
+# Hydra alone; torch and the data stack load when a config is built, Lightning when a run
+# starts (scripts/bench_startup.py measures it; tests/test_startup.py checks it).
 import hydra
-import lightning as L
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from stabilize.exits import EXIT_ABORT, EXIT_CONFIG, EXIT_CRASH, file_error, one_line
-from stabilize.lit import final_eval
-from stabilize.lit.build import build_trainer
-from stabilize.lit.checkpoint import checkpoint_steps, resolve_resume
-from stabilize.lit.config import RunConfig
-from stabilize.lit.module import GPTLitModule
-from stabilize.lit.preflight import build_config, preflight
-from stabilize.lit.rundir import RunDirError, already_finished, claim
-from stabilize.lit.stability import StabilityAbort
+from stabilize.lit.rundir import RunDirError, claim
 from stabilize.paths import config_dir
 from stabilize.validate import ConfigError
+
+if TYPE_CHECKING:
+    from stabilize.lit.config import RunConfig
 
 CONFIG_DIR = config_dir()
 
@@ -58,9 +55,6 @@ def run_id() -> str:
         rid = elastic if elastic != "none" else datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     return rid
 
-
-# Lightning's own use of a deprecated torch API: noise in every run's output.
-warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
 
 # Resolvers used by configs/train.yaml's hydra section; registered before Hydra starts.
 OmegaConf.register_new_resolver("stabilize.run_id", run_id, replace=True)
@@ -83,103 +77,22 @@ def _sweep_group() -> str | None:
     return None
 
 
-def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
+def run(cfg: RunConfig, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says (plus any extra Lightning callbacks); returns the final
-    metrics (floats) and where things are."""
-    preflight(cfg)  # every start-up check, before anything is written (ConfigError)
-    run_dir = Path(cfg.run_dir)
-    # Everything about the run dir is settled before anything is written to it: a fresh
-    # start refused or moved aside (lit/rundir.py), the checkpoint verified (or the newest
-    # intact one chosen), a finished run left alone.
-    moved = claim(run_dir, cfg.resume)
-    if moved:
-        print(moved, file=sys.stderr, flush=True)
-    t = cfg.trainer
-    try:
-        ckpt = resolve_resume(cfg.resume, run_dir)
-        done = ckpt and already_finished(run_dir, ckpt, t.max_steps, t.stop_at_step)
-    except ValueError as e:  # no intact checkpoint, not a checkpoint: one line, exit 2
-        raise RunDirError(str(e)) from None
-    if done:
-        if _rank() == 0:
-            print(done, flush=True)
-        step, global_step = checkpoint_steps(ckpt)
-        return {
-            "metrics": {},
-            "run_dir": str(run_dir),
-            "model_step": step,
-            "global_step": global_step,
-            "resumed_from": ckpt,
-            "nothing_to_train": True,
-        }
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if _rank() == 0:
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    module = GPTLitModule(cfg)
-    trainer = build_trainer(cfg, list(callbacks))
-    try:
-        if trainer.is_global_zero and trainer.loggers:
-            for lg in trainer.loggers:
-                lg.log_hyperparams(cfg.to_dict())
-        trainer.fit(module, ckpt_path=ckpt)
-    except BaseException as e:  # the report tells a finished run from one that stopped
-        status = "aborted" if isinstance(e, StabilityAbort) else "failed"
-        _write_result(run_dir, status, module, trainer, error=f"{type(e).__name__}: {e}")
-        raise
-    else:
-        score = _score_held_out(cfg, run_dir, module, trainer)
-    finally:
-        _finish_wandb(trainer)
-    _write_result(run_dir, "done", module, trainer)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    if score is not None:
-        metrics.update({"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]})
-    return {
-        "metrics": metrics,
-        "run_dir": str(run_dir),
-        "model_step": module.model_step,
-        "global_step": trainer.global_step,
-        "resumed_from": ckpt,
-    }
+    metrics (floats) and where things are (``stabilize/lit/runner.py``, imported here:
+    ``--help`` and a config error never load Lightning)."""
+    from stabilize.lit.runner import run as _run
+
+    return _run(cfg, callbacks)
 
 
-def _write_result(run_dir: Path, status: str, module, trainer, error: str | None = None) -> None:
-    """run_dir/result.json: how the run ended (done | aborted | failed), at which steps."""
-    if _rank() != 0:
-        return
-    result = {
-        "status": status,
-        "model_step": module.model_step,
-        "global_step": trainer.global_step,
-        "error": error,
-    }
-    (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+def _stability_abort() -> type[BaseException]:
+    """``StabilityAbort``, imported only when an exception reaches ``_app``'s handler for
+    it (an ``except`` clause's expression is evaluated only then), so a config error does
+    not load Lightning to test against it."""
+    from stabilize.lit.stability import StabilityAbort
 
-
-def _score_held_out(cfg: RunConfig, run_dir: Path, module, trainer: L.Trainer) -> dict | None:
-    """After training: the whole held-out split's loss and bits per byte (final_eval.json,
-    and ``final/val_*`` in the loggers at the last step)."""
-    n = cfg.trainer.final_eval_batches
-    if n == 0:
-        return None
-    score = final_eval.held_out_score(module, trainer, n)
-    if trainer.is_global_zero:
-        final_eval.write(run_dir, score)
-        metrics = {"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]}
-        for lg in trainer.loggers:
-            lg.log_metrics(metrics, step=trainer.global_step)
-            lg.save()
-    return score
-
-
-def _finish_wandb(trainer: L.Trainer) -> None:
-    """Close the W&B run so the next member of a sweep (same process) gets its own."""
-    from lightning.pytorch.loggers import WandbLogger
-
-    for lg in trainer.loggers:
-        if isinstance(lg, WandbLogger) and lg._experiment is not None:
-            lg.experiment.finish()
+    return StabilityAbort
 
 
 class RunDirGuard(Callback):
@@ -213,11 +126,14 @@ def _app(cfg: DictConfig) -> float | None:
             raise ConfigError(str(e)) from e
         if group and not values["logger"].get("group"):
             values["logger"]["group"] = group
-        result = run(build_config(values))  # run() checks the rest before it writes
+        from stabilize.lit.preflight import build_config  # torch, data: not for --help
+
+        cfg_run = build_config(values)
+        result = run(cfg_run)  # run() checks the rest before it writes
     except (ConfigError, RunDirError) as e:
         _discard_hydra_output()  # only where the dir holds no run of its own
         _fail(EXIT_CONFIG, one_line(str(e)), every_rank=True)
-    except StabilityAbort as e:
+    except _stability_abort() as e:
         if _rank() == 0:
             print(
                 "stability abort: " + json.dumps(e.diagnosis, indent=2, default=str),
@@ -229,15 +145,10 @@ def _app(cfg: DictConfig) -> float | None:
         _fail(EXIT_CRASH, file_error(e), every_rank=True)
     m = result["metrics"]
     if _rank() == 0 and not result.get("nothing_to_train"):
-        summary = ", ".join(
-            f"{k} {m[k]:.4f}"
-            for k in ("train/loss", "val/loss", "val/bpb", "final/val_bpb")
-            if k in m
-        )
-        print(
-            f"done: {result['global_step']} steps, {summary}\nrun dir: {result['run_dir']}",
-            flush=True,
-        )
+        from stabilize.lit.summary import final_summary, read_events
+
+        lines = final_summary(cfg_run, result, read_events(result["run_dir"]))
+        print("\n".join(lines), flush=True)
     return m.get("val/loss")  # for Hydra sweepers that optimise
 
 
@@ -313,9 +224,8 @@ def _close_process_group() -> None:
     interpreter exits. Left to exit-time destructors, a gloo rank could abort ("terminate
     called without an active exception") while another node's agent, hosting the
     rendezvous store, had already gone: both launches then failed (CI, two nodes)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # never imported: no group to close
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 

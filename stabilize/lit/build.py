@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from stabilize.lit.audit import NormAudit
-from stabilize.lit.callbacks import PlainProgress, ReplicaCheck, StopAtModelStep, ThroughputLogger
+from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
 from stabilize.lit.config import LoggerConfig, PrecisionConfig, RunConfig, TrainerConfig
+from stabilize.lit.progress import PlainProgress, StepBar
 from stabilize.lit.stability import StabilityCallback
 
 COMPUTE_DTYPE = {
@@ -89,25 +89,27 @@ def build_loggers(cfg: LoggerConfig, run: RunConfig) -> list[Logger]:
         loggers.append(CSVLogger(save_dir=run.run_dir, name="csv"))
     mode = os.environ.get("WANDB_MODE", cfg.mode)
     if cfg.wandb and mode != "disabled":
-        loggers.append(
-            WandbLogger(
-                save_dir=run.run_dir,
-                project=cfg.project,
-                entity=cfg.entity,
-                group=cfg.group or run.name,
-                job_type=cfg.job_type,
-                tags=[*cfg.tags, *([f"arm:{run.arm}"] if run.arm else [])],
-                name=cfg.name
-                or "-".join(
-                    [
-                        run.name,
-                        *([run.arm] if run.arm else []),
-                        os.path.basename(os.path.normpath(run.run_dir)),
-                    ]
-                ),
-                mode=mode,
-            )
+        wandb_logger = WandbLogger(
+            save_dir=run.run_dir,
+            project=cfg.project,
+            entity=cfg.entity,
+            group=cfg.group or run.name,
+            job_type=cfg.job_type,
+            tags=[*cfg.tags, *([f"arm:{run.arm}"] if run.arm else [])],
+            name=cfg.name
+            or "-".join(
+                [
+                    run.name,
+                    *([run.arm] if run.arm else []),
+                    os.path.basename(os.path.normpath(run.run_dir)),
+                ]
+            ),
+            mode=mode,
         )
+        # Lightning passes anonymous=None, which wandb (0.2x on) warns about in every run
+        # ("has no effect"): the setting is gone, so is the warning
+        wandb_logger._wandb_init.pop("anonymous", None)
+        loggers.append(wandb_logger)
     return loggers
 
 
@@ -116,7 +118,7 @@ def progress_callbacks(cfg: TrainerConfig) -> tuple[list[L.Callback], bool]:
     if kind == "auto":
         kind = "rich" if sys.stdout.isatty() else "plain"
     if kind == "rich":
-        return [RichProgressBar()], True
+        return [StepBar()], True
     if kind == "plain":
         return [PlainProgress(cfg.log_every_n_steps)], False
     return [], False
@@ -160,6 +162,7 @@ def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
         deterministic=t.deterministic,
         use_distributed_sampler=False,  # stabilize.data shards by rank itself
         enable_progress_bar=bar,
+        enable_model_summary=run.verbose,  # off: runner.describe prints the run in one line
         callbacks=callbacks,
         logger=build_loggers(run.logger, run) or False,
         default_root_dir=run.run_dir,

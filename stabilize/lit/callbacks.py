@@ -1,10 +1,10 @@
-"""Small callbacks: throughput (tokens/s, MFU) and plain progress lines for non-terminals."""
+"""Small callbacks: throughput (tokens/s, MFU), the replica check, the stop at a model step
+(progress lines and the bar: ``progress.py``)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -59,37 +59,6 @@ class ThroughputLogger(L.Callback):
                 stats["perf/mfu"] = tps * self._fpt / (self._peak * trainer.world_size)
             pl_module.log_dict(stats, on_step=True, on_epoch=False)
         self._t0, self._tokens = now, 0
-
-
-class PlainProgress(L.Callback):
-    """One line every ``every`` steps, for logs and CI (a progress bar only in a terminal)."""
-
-    def __init__(self, every: int, stream=None):
-        self.every = every
-        self.stream = stream
-
-    def _metrics(self, trainer, keys):
-        m = trainer.callback_metrics
-        return "  ".join(f"{k.split('/')[-1]} {float(m[k]):.4g}" for k in keys if k in m)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = trainer.global_step
-        if trainer.is_global_zero and step % self.every == 0 and step > 0:
-            loss = getattr(pl_module, "_loss", None)  # callbacks run before the module's
-            line = (f"loss {float(loss):.4g}  " if loss is not None else "") + self._metrics(
-                trainer, ["train/lr", "perf/tokens_per_s"]
-            )
-            total = pl_module.cfg.trainer.max_steps
-            print(
-                f"step {pl_module.model_step}/{total}  {line}",
-                file=self.stream or sys.stdout,
-                flush=True,
-            )
-
-    def on_validation_end(self, trainer, pl_module):
-        if trainer.is_global_zero and not trainer.sanity_checking:
-            line = self._metrics(trainer, ["val/loss", "val/bpb"])
-            print(f"validation @ step {trainer.global_step}  {line}", file=self.stream, flush=True)
 
 
 def params_digest(module: torch.nn.Module) -> str:

@@ -168,8 +168,11 @@ class RunConfig:
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    verbose: bool = False  # also third-party notices (stabilize/lit/quiet.py), model summary
 
     def __post_init__(self) -> None:
+        if not isinstance(self.verbose, bool):
+            raise ConfigError(f"verbose={self.verbose!r} is not allowed; allowed: true, false")
         self.model = build_dataclass(GPTConfig, self.model, "model")
         for key, cls in (
             ("data", DataConfig),

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from stabilize.data import build_dataloaders
-from stabilize.lit.build import LaunchEnv
 from stabilize.lit.config import RunConfig
 from stabilize.model import GPT
 from stabilize.validate import ConfigError
@@ -67,6 +66,8 @@ def check_and_build(values: dict[str, Any]) -> RunConfig:
 
 def world_size(cfg: RunConfig) -> int:
     """Processes in this launch: torchrun's ``WORLD_SIZE``, else devices x nodes."""
+    from stabilize.lit.build import LaunchEnv  # Lightning: not on the config-error path
+
     env = LaunchEnv.detect()
     if env.torchrun:
         return env.world_size

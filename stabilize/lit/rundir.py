@@ -19,8 +19,6 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-from stabilize.lit.checkpoint import checkpoint_steps
-
 # What a run writes into its dir (train.py, lit/*, rollback snapshots, W&B offline files).
 # Hydra's own per-launch files (.hydra*/, *.log) are not a run's: every launch rewrites them.
 RUN_FILES = (
@@ -92,6 +90,8 @@ def already_finished(
     step this launch would stop at (``trainer.max_steps``, or ``trainer.stop_at_step``);
     None when there is training left to do. Training on would take one more step than
     asked (the stop is checked after a step) and overwrite ``last.ckpt``."""
+    from stabilize.lit.checkpoint import checkpoint_steps  # torch + Lightning: only here
+
     model_step, _ = checkpoint_steps(ckpt)
     target, key = max_steps, "trainer.max_steps"
     if stop_at is not None and stop_at < max_steps:

@@ -41,7 +41,7 @@ class StabilityCallback(L.Callback):
         self.suite = MonitorSuite(monitor)
         # a monitor that reads a log-step-only series gets it on every step
         self._detailed_always = bool(self.suite.needs & StabilityProbe.DETAILED_ONLY)
-        self.sink = EventSink(run_dir)
+        self.sink = EventSink(run_dir, self.rollback_on)
         self.controller = RollbackController(rollback, run_dir, self.suite, self.sink)
         self.gather = StepGather(accumulate)
         self.probe: StabilityProbe | None = None
@@ -86,11 +86,13 @@ class StabilityCallback(L.Callback):
             self._snapshot(trainer, pl_module)  # a floor to return to, before any step
 
     def on_train_end(self, trainer, pl_module):
+        self.sink.close(trainer)
         self.writer.wait()  # the last durable snapshot is on disk before fit returns
 
     def on_exception(self, trainer, pl_module, exception):
         # an abort or a crash: the durable snapshot in flight is still written (it predates
         # the fault), then the original exception goes on
+        self.sink.close(trainer)
         try:
             self.writer.close()
         except Exception as e:  # noqa: BLE001  (the training error is the one to report)

@@ -1,6 +1,7 @@
 """The event sink: where the stability verdicts and per-step statistics go.
 
-Events go to ``events.jsonl`` (one JSON line each, rank 0), the console, W&B alerts (warn,
+Events go to ``events.jsonl`` (one JSON line each, rank 0), the console (``console.py``:
+repeats summarised, every event stays in the file), W&B alerts (warn,
 rollback and abort) and the ``stability/*s`` counts; the per-layer statistics of a log step
 go to every logger under the prefixes of ``monitors.SERIES_METRICS``; the step's loss, grad
 norm and loss scale go to every logger on *every* step (``STEP_METRICS``).
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_info
 
+from stabilize.lit.stability.console import EventConsole
 from stabilize.monitors import SERIES_METRICS, Event, StepStats
 from stabilize.numerics import sum_of_squares_rms_limit
 
@@ -33,9 +34,15 @@ STEP_METRICS = {
 
 
 class EventSink:
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, rollback_on: bool = True):
         self.run_dir = Path(run_dir)
         self.counts = {"warn": 0, "skip": 0, "rollback": 0}  # counted on every rank
+        self.console = EventConsole(rollback_on)
+
+    def close(self, trainer) -> None:
+        """End of training (or an abort): the console's open episodes are summed up."""
+        if trainer.is_global_zero:
+            self.console.close()
 
     def emit(self, trainer, e: Event, **extra) -> None:
         if e.kind in self.counts:
@@ -46,7 +53,7 @@ class EventSink:
         with open(self.run_dir / "events.jsonl", "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
         if e.kind != "info":
-            rank_zero_info(f"[stability] {e.kind.upper()} step {e.step}: {e.message}")
+            self.console.event(e)
         if e.kind in ("warn", "rollback", "abort"):
             for lg in trainer.loggers:
                 if isinstance(lg, WandbLogger):
@@ -75,6 +82,7 @@ class EventSink:
         # Host floats, straight to the loggers (rank 0): self.log's per-key bookkeeping
         # cost ~10 ms per log step for the per-layer series.
         if trainer.is_global_zero:
+            self.console.tick(s.step)
             # the step Lightning's own self.log rows use at this point (one less than
             # global_step), so per-layer rows line up with train/loss in CSV and W&B
             step = trainer.fit_loop.epoch_loop._batches_that_stepped

@@ -1,0 +1,171 @@
+"""One training run: ``RunConfig`` -> the run dir's files and the final metrics.
+
+``stabilize/train.py`` (Hydra's app) imports this only when a run starts, so that
+``stabilize-train --help`` and a config error never load Lightning (issue 16, item 4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from stabilize.lit import final_eval
+from stabilize.lit.build import build_trainer, resolve_accelerator
+from stabilize.lit.checkpoint import checkpoint_steps, resolve_resume
+from stabilize.lit.config import RunConfig
+from stabilize.lit.module import GPTLitModule
+from stabilize.lit.preflight import preflight
+from stabilize.lit.quiet import quiet
+from stabilize.lit.rundir import RunDirError, already_finished, claim
+from stabilize.lit.stability import StabilityAbort
+from stabilize.norms import Norm
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
+    """Train as ``cfg`` says (plus any extra Lightning callbacks); returns the final
+    metrics (floats), where things are, and the state the run ended in (``ended_with``)."""
+    preflight(cfg)  # every start-up check, before anything is written (ConfigError)
+    run_dir = Path(cfg.run_dir)
+    # Everything about the run dir is settled before anything is written to it: a fresh
+    # start refused or moved aside (lit/rundir.py), the checkpoint verified (or the newest
+    # intact one chosen), a finished run left alone.
+    moved = claim(run_dir, cfg.resume)
+    if moved:
+        print(moved, file=sys.stderr, flush=True)
+    t = cfg.trainer
+    try:
+        ckpt = resolve_resume(cfg.resume, run_dir)
+        done = ckpt and already_finished(run_dir, ckpt, t.max_steps, t.stop_at_step)
+    except ValueError as e:  # no intact checkpoint, not a checkpoint: one line, exit 2
+        raise RunDirError(str(e)) from None
+    if done:
+        if _rank() == 0:
+            print(done, flush=True)
+        step, global_step = checkpoint_steps(ckpt)
+        return {
+            "metrics": {},
+            "run_dir": str(run_dir),
+            "model_step": step,
+            "global_step": global_step,
+            "resumed_from": ckpt,
+            "nothing_to_train": True,
+        }
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if _rank() == 0:
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    with quiet(cfg.verbose):
+        module = GPTLitModule(cfg)
+        trainer = build_trainer(cfg, list(callbacks))
+        if _rank() == 0:
+            print(describe(cfg, module, ckpt), flush=True)
+        wandb_dir = None
+        try:
+            if trainer.is_global_zero and trainer.loggers:
+                for lg in trainer.loggers:
+                    lg.log_hyperparams(cfg.to_dict())
+            trainer.fit(module, ckpt_path=ckpt)
+        except BaseException as e:  # the report tells a finished run from one that stopped
+            status = "aborted" if isinstance(e, StabilityAbort) else "failed"
+            _write_result(run_dir, status, module, trainer, error=f"{type(e).__name__}: {e}")
+            raise
+        else:
+            score = _score_held_out(cfg, run_dir, module, trainer)
+        finally:
+            wandb_dir = _finish_wandb(trainer)
+    _write_result(run_dir, "done", module, trainer)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if score is not None:
+        metrics.update({"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]})
+    return {
+        "metrics": metrics,
+        "run_dir": str(run_dir),
+        "model_step": module.model_step,
+        "global_step": trainer.global_step,
+        "resumed_from": ckpt,
+        "ended_with": ended_with(module),
+        "wandb_offline_dir": wandb_dir,
+    }
+
+
+def describe(cfg: RunConfig, module: GPTLitModule, ckpt: str | None) -> str:
+    """The run in one line (in place of Lightning's model summary table)."""
+    m, n = cfg.model, cfg.model.norm
+    params = sum(p.numel() for p in module.model.parameters())
+    start = f"resuming {ckpt}" if ckpt else f"{cfg.trainer.max_steps} steps"
+    return (
+        f"stabilize-train: {m.name} GPT ({params:,} parameters, {m.n_layer} layers x "
+        f"{m.d_model}), {n.type} {n.placement} eps {n.eps:g} reduction {n.reduction_dtype}, "
+        f"{cfg.precision.name} on {resolve_accelerator(cfg.trainer.accelerator)}; {start} "
+        f"-> {cfg.run_dir}"
+    )
+
+
+def ended_with(module: GPTLitModule) -> dict[str, Any]:
+    """What the run's remedies changed, read off the live state: the LR scale, the norms'
+    reduction dtype(s), the batches the data position skipped past."""
+    accum = module.cfg.optim.accumulate_grad_batches
+    return {
+        "remedies": list(module.remedies),
+        "lr_scale": module.lr_scale,
+        "reduction_dtypes": sorted(
+            {m.reduction_dtype for m in module.model.modules() if isinstance(m, Norm)}
+        ),
+        "batches_skipped": module.data_step - module.model_step * accum,
+    }
+
+
+def _write_result(run_dir: Path, status: str, module, trainer, error: str | None = None) -> None:
+    """run_dir/result.json: how the run ended (done | aborted | failed), at which steps, and
+    the state its remedies left (``ended_with``)."""
+    if _rank() != 0:
+        return
+    result = {
+        "status": status,
+        "model_step": module.model_step,
+        "global_step": trainer.global_step,
+        "error": error,
+        "ended_with": ended_with(module),
+    }
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+
+
+def _score_held_out(cfg: RunConfig, run_dir: Path, module, trainer: L.Trainer) -> dict | None:
+    """After training: the whole held-out split's loss and bits per byte (final_eval.json,
+    and ``final/val_*`` in the loggers at the last step)."""
+    n = cfg.trainer.final_eval_batches
+    if n == 0:
+        return None
+    score = final_eval.held_out_score(module, trainer, n)
+    if trainer.is_global_zero:
+        final_eval.write(run_dir, score)
+        metrics = {"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]}
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=trainer.global_step)
+            lg.save()
+    return score
+
+
+def _finish_wandb(trainer: L.Trainer) -> str | None:
+    """Close the W&B run so the next member of a sweep (same process) gets its own; returns
+    the offline run's directory (for ``wandb sync``), if the run was offline."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    offline = None
+    for lg in trainer.loggers:
+        if isinstance(lg, WandbLogger) and lg._experiment is not None:
+            exp = lg.experiment
+            if exp.settings.mode == "offline" and exp.dir:
+                offline = str(Path(exp.dir).parent)  # .../wandb/offline-run-*/files
+            exp.finish()
+    return offline

@@ -1,0 +1,112 @@
+"""The run's last words on the console (issue 16, item 1): steps taken vs asked, every
+rollback (step, the verdict that caused it, the snapshot it went back to, the remedy) and
+the config the run ended with where a remedy changed it.
+
+Read from what the run left: ``events.jsonl`` (each rollback event, and the verdict event
+just before it, at the same step), and the state ``runner.ended_with`` read off the live
+module (the LR scale, the norms' reduction dtypes, the data position). No Lightning here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SHOWN = ("train/loss", "val/loss", "val/bpb", "final/val_bpb")  # on the done: line
+MESSAGE_CHARS = 100  # a verdict's message, cut to this on the console (events.jsonl has it all)
+# keys of a rollback event's ``extra`` that are not the remedy's own account of itself
+NOT_REMEDY = {"restored_step", "remedy", "localization", "diagnosis"}
+
+
+def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "events.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rollbacks(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rollback the controller did: {step, cause, restored_step, remedy, did}. The cause
+    is the ROLLBACK verdict logged just before it for the same step."""
+    out = []
+    for i, e in enumerate(events):
+        if e.get("kind") != "rollback" or e.get("monitor") != "rollback":
+            continue
+        cause = next(
+            (
+                v
+                for v in reversed(events[:i])
+                if v.get("kind") == "rollback"
+                and v.get("monitor") != "rollback"
+                and v.get("step") == e.get("step")
+            ),
+            None,
+        )
+        extra = e.get("extra") or {}
+        out.append(
+            {
+                "step": e.get("step"),
+                "cause": cause,
+                "restored_step": extra.get("restored_step"),
+                "remedy": extra.get("remedy"),
+                "did": {k: v for k, v in extra.items() if k not in NOT_REMEDY},
+            }
+        )
+    return out
+
+
+def _cut(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
+
+
+def rollback_line(n: int, rb: dict[str, Any]) -> str:
+    c = rb["cause"]
+    cause = f"{c['monitor']}: {_cut(c['message'])}" if c else "cause not in events.jsonl"
+    did = ", ".join(f"{k} {v}" for k, v in rb["did"].items())
+    return (
+        f"  rollback {n} at step {rb['step']} ({cause}) -> back to step "
+        f"{rb['restored_step']}, remedy {rb['remedy']}" + (f" ({did})" if did else "")
+    )
+
+
+def changed_config(cfg, ended: dict[str, Any]) -> list[str]:
+    """``key before -> after`` for what the remedies changed (``cfg``: the RunConfig)."""
+    out = []
+    scale = ended.get("lr_scale", 1.0)
+    if scale != 1.0:
+        lr = cfg.optim.lr
+        out.append(f"optim.lr x{scale:g} ({lr:g} -> {lr * scale:g})")
+    dtypes = ended.get("reduction_dtypes") or []
+    asked = cfg.model.norm.reduction_dtype
+    if dtypes and dtypes != [asked]:
+        out.append(f"norm.reduction_dtype {asked} -> {', '.join(dtypes)}")
+    if ended.get("batches_skipped"):
+        out.append(f"data: {ended['batches_skipped']} batches skipped")
+    return out
+
+
+def final_summary(cfg, result: dict[str, Any], events: list[dict[str, Any]]) -> list[str]:
+    """The console lines ending a finished run (rank 0 prints them)."""
+    t = cfg.trainer
+    asked = t.max_steps if t.stop_at_step is None else min(t.max_steps, t.stop_at_step)
+    m = result["metrics"]
+    rbs = rollbacks(events)
+    steps = f"done: {result['model_step']} steps ({asked} asked"
+    extra = result["global_step"] - result["model_step"]
+    if rbs and extra > 0:
+        steps += f"; {extra} more were run and undone by {len(rbs)} rollback(s)"
+    metrics = ", ".join(f"{k} {m[k]:.4f}" for k in SHOWN if k in m)
+    lines = [steps + ")" + (f", {metrics}" if metrics else "")]
+    lines += [rollback_line(i + 1, rb) for i, rb in enumerate(rbs)]
+    changed = changed_config(cfg, result.get("ended_with") or {})
+    if changed:
+        lines.append("ended with: " + "; ".join(changed) + " (the remedies')")
+    elif rbs:
+        lines.append("ended with: the config asked for (no remedy changed it)")
+    if result.get("wandb_offline_dir"):
+        d = result["wandb_offline_dir"]
+        lines.append(f"W&B offline run: {d} (to upload: wandb sync {d})")
+    lines.append(f"run dir: {result['run_dir']}")
+    return lines
