@@ -13,10 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from stabilize.report.rollbacks import Rollback, rollbacks
+
 SHOWN = ("train/loss", "val/loss", "val/bpb", "final/val_bpb")  # on the done: line
 MESSAGE_CHARS = 100  # a verdict's message, cut to this on the console (events.jsonl has it all)
-# keys of a rollback event's ``extra`` that are not the remedy's own account of itself
-NOT_REMEDY = {"restored_step", "remedy", "localization", "diagnosis"}
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -26,48 +26,18 @@ def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def rollbacks(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each rollback the controller did: {step, cause, restored_step, remedy, did}. The cause
-    is the ROLLBACK verdict logged just before it for the same step."""
-    out = []
-    for i, e in enumerate(events):
-        if e.get("kind") != "rollback" or e.get("monitor") != "rollback":
-            continue
-        cause = next(
-            (
-                v
-                for v in reversed(events[:i])
-                if v.get("kind") == "rollback"
-                and v.get("monitor") != "rollback"
-                and v.get("step") == e.get("step")
-            ),
-            None,
-        )
-        extra = e.get("extra") or {}
-        out.append(
-            {
-                "step": e.get("step"),
-                "cause": cause,
-                "restored_step": extra.get("restored_step"),
-                "remedy": extra.get("remedy"),
-                "did": {k: v for k, v in extra.items() if k not in NOT_REMEDY},
-            }
-        )
-    return out
-
-
 def _cut(text: str) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
 
 
-def rollback_line(n: int, rb: dict[str, Any]) -> str:
-    c = rb["cause"]
+def rollback_line(n: int, rb: Rollback) -> str:
+    c = rb.cause
     cause = f"{c['monitor']}: {_cut(c['message'])}" if c else "cause not in events.jsonl"
-    did = ", ".join(f"{k} {v}" for k, v in rb["did"].items())
+    did = ", ".join(f"{k} {v}" for k, v in rb.did.items())
     return (
-        f"  rollback {n} at step {rb['step']} ({cause}) -> back to step "
-        f"{rb['restored_step']}, remedy {rb['remedy']}" + (f" ({did})" if did else "")
+        f"  rollback {n} at step {rb.step} ({cause}) -> back to step "
+        f"{rb.restored_step}, remedy {rb.remedy}" + (f" ({did})" if did else "")
     )
 
 

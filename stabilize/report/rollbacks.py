@@ -19,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# keys of a rollback event's ``extra`` that are not the remedy's own account of itself
+NOT_REMEDY = {"restored_step", "remedy", "localization", "diagnosis"}
+
 
 @dataclass
 class Rollback:
@@ -28,6 +31,8 @@ class Rollback:
     answered: list[str] = field(default_factory=list)  # "monitor@step: message"
     effect: str = ""
     undone_by: int | None = None  # the number (1-based) of the rollback that undid it
+    cause: dict[str, Any] | None = None  # the first verdict event that called for it
+    did: dict[str, Any] = field(default_factory=dict)  # the remedy's own account (extra)
 
     def line(self, n: int) -> str:
         why = "; ".join(self.answered) or "?"
@@ -57,11 +62,13 @@ def rollbacks(events: list[dict[str, Any]]) -> list[Rollback]:
     """The run's rollbacks in order, each with the verdicts logged at its optimizer step."""
     out: list[Rollback] = []
     verdicts: dict[Any, dict[str, list[str]]] = {}  # step taken -> {monitor@step: layers}
+    causes: dict[Any, dict[str, Any]] = {}  # step taken -> its first verdict event
     for e in events:
         if e.get("kind") != "rollback":
             continue
         at = e.get("global_step", e.get("step"))
         if e.get("monitor") != "rollback":
+            causes.setdefault(at, e)
             layers = verdicts.setdefault(at, {}).setdefault(
                 f"{e.get('monitor')}@{e.get('step')}", []
             )
@@ -80,6 +87,8 @@ def rollbacks(events: list[dict[str, Any]]) -> list[Rollback]:
                 remedy=str(extra.get("remedy", "?")),
                 answered=answered,
                 effect=_effect(extra),
+                cause=causes.pop(at, None),
+                did={k: v for k, v in extra.items() if k not in NOT_REMEDY},
             )
         )
     for i, rb in enumerate(out):
