@@ -128,23 +128,15 @@ def test_remedy_answers_the_drift_and_says_what_each_rung_changed(arms):
     assert s.status == "done" and s.steps == STEPS
     # eps 1e-3: no init-time backward overflow, so every rollback answers the drift's overflow
     rbs = rollbacks(events(d))
-    assert [rb.remedy for rb in rbs] == ["skip_data", "lower_lr", "fp32_reduction"]
+    # the replay finds the drift again on the next batch: deterministic, the numerics rungs
+    assert [rb.remedy for rb in rbs] == ["lower_lr", "fp32_reduction"]
     assert all(rb.step == CROSS and rb.answered[0].startswith(f"overflow@{CROSS}") for rb in rbs)
     last_rb = max(e["global_step"] for e in events(d, "rollback") if e["kind"] == "rollback")
     assert [e for e in events(d, "overflow") if e["global_step"] > last_rb] == []
     assert [e for e in events(d, "nonfinite") if e["global_step"] > last_rb] == []
     assert math.isfinite(s.final_loss) and s.heldout_bpb is not None
-    # skip_data is undone by the next rollback, measured: the first step after each restore
-    # trains on the batch of the data position restored; its loss (the restored weights, before
-    # any update) is the original one again after rollback 2, not after rollback 1's skip
-    restored = rbs[0].restored_step
-    assert {rb.restored_step for rb in rbs} == {restored}
-    first = [r["train/loss"] for r in load_run_dir(d).rows if r.get("train/step") == restored + 1]
-    assert len(first) == 4  # the original attempt and one after each rollback
-    assert first[1] != first[0] and first[2] == first[0]
-    assert rbs[0].undone_by == 2 and rbs[1].undone_by is None and rbs[2].undone_by is None
-    assert "undone by rollback 2" in s.rollback_story[0]
-    assert "for the rest of the run" in s.rollback_story[1]
+    assert "for the rest of the run" in s.rollback_story[0]
+    assert "reduce in fp32 from here on" in s.rollback_story[1]
 
 
 def test_arms_share_one_wandb_group_with_the_same_metric_names(arms):
@@ -185,7 +177,7 @@ def test_report_table_plots_and_conclusions_match_the_runs(arms, tmp_path):
     assert "large_eps does not fix it" in conclusions and "baseline never trained" in conclusions
     assert f"remedy recovered through {sums['remedy'].rollbacks} rollback" in conclusions
     rolled = text.split("## Rollbacks")[1].split("## Plots")[0]
-    assert "### remedy" in rolled and "undone by rollback 2" in rolled
+    assert "### remedy" in rolled and "LR x0.5 for the rest of the run" in rolled
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert [s["arm"] for s in saved] == ARMS
 
