@@ -10,6 +10,7 @@ import math
 import lightning as L
 import pytest
 import torch
+from test_stability import events
 
 from stabilize.lit.stability import StabilityCallback
 from stabilize.model import GPT, GPTConfig
@@ -25,7 +26,6 @@ from stabilize.monitors.logits import (
 from stabilize.train import run
 
 from conftest import FAST, compose_run
-from test_stability import events
 
 BASE = [
     *FAST,
