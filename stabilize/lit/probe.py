@@ -80,6 +80,7 @@ class StabilityProbe:
         self._handles: list = []
         self._attn_handles: list = []  # only on detailed steps (see reset)
         self._lz_handle = None  # the final logits' log Z, every step (reset puts it on)
+        self.measure_log_z = True  # off: no log Z hook (scripts/bench_logits.py toggles it)
         self.detailed = False
         # Pre-norm and sandwich: block i's output is exactly the input of the next norm
         # (h.{i+1}.ln_1, or ln_f after the last block), which the norm already measures;
@@ -129,7 +130,7 @@ class StabilityProbe:
         self.buf.copy_(self._fresh)
         self._q = [None] * len(self.attn)
         self._qs = [None] * len(self.attn)
-        if self._lz_handle is None:
+        if self.measure_log_z and self._lz_handle is None:
             self._lz_handle = self.model.logit_softcap.register_forward_hook(self._logit_hook)
         if (detailed or self.logged) and not self._attn_handles:
             for i, block in enumerate(self.model.h):
