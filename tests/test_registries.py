@@ -120,6 +120,9 @@ def test_the_built_in_monitors_declare_what_they_read():
         "loss_spike": {"loss"},
         "nonfinite": {"loss", "grad_norm", "loss_scale"},
         "loss_scale": {"loss_scale", "scaler_skipped"},
+        "attn_logit": {"attn_logit"},
+        "attn_entropy": {"attn_entropy"},
+        "log_z": {"log_z"},
     }
 
 
@@ -221,6 +224,8 @@ def test_the_probe_measures_what_a_monitor_declares_on_every_step(tmp_path, decl
     register_monitor("attn_watch", LossCeilingConfig, AttnWatch)
     try:
         over = ["trainer.max_steps=6", "trainer.log_every_n_steps=4"]
+        # the built-in attn_logit monitor declares it too: off, so AttnWatch alone decides
+        over += ["monitor.attn_logit.enabled=false"]
         run(compose_run(tmp_path, [*BASE, *over]))
     finally:
         unregister_monitor("attn_watch")

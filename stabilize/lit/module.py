@@ -25,12 +25,12 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from stabilize.data import bits_per_byte, build_dataloaders
 from stabilize.lit.config import OptimConfig, RunConfig
 from stabilize.model import GPT, set_activation_checkpointing
+from stabilize.model.logits import lm_loss
 from stabilize.norms import Norm
 from stabilize.rollback import reapply_remedies
 
@@ -151,11 +151,13 @@ class GPTLitModule(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def loss(self, batch) -> torch.Tensor:
+    def loss(self, batch, z_loss: bool = True) -> torch.Tensor:
+        """Cross-entropy in fp32 whatever the activation dtype, plus the model's z-loss
+        (``model.z_loss``, or switched on by the z_loss remedy) unless ``z_loss=False``
+        (validation: the held-out loss is the cross-entropy alone)."""
         x, y = batch  # [B, T] each
         logits = self.model(x)  # [B, T, V]
-        # cross-entropy in fp32 whatever the activation dtype
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return lm_loss(logits, y, self.model.z_loss if z_loss else 0.0)
 
     @property
     def window_start(self) -> bool:
@@ -243,7 +245,7 @@ class GPTLitModule(L.LightningModule):
         self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch, batch_idx):
-        loss = self.loss(batch)
+        loss = self.loss(batch, z_loss=False)
         self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         # Bits per byte for any tokenizer: nats summed over the targets, over the UTF-8 bytes
         # of text behind them (issue 14), both summed over batches and ranks before dividing.
@@ -358,6 +360,7 @@ class GPTLitModule(L.LightningModule):
             "data_step": self.data_step,
             "lr_scale": self.lr_scale,
             "remedies": list(self.remedies),
+            "z_loss": float(self.model.z_loss),  # the z_loss remedy may have switched it on
             "config": self.cfg.to_dict(),
         }
 
@@ -367,5 +370,6 @@ class GPTLitModule(L.LightningModule):
         self.data_step = state["data_step"]
         self.lr_scale = state.get("lr_scale", 1.0)
         self.remedies = list(state.get("remedies", []))
+        self.model.z_loss = state.get("z_loss", self.cfg.model.z_loss)
         # what the state dict does not hold (fp32_reduction's norm switch): re-applied
         reapply_remedies(self, self.remedies)

@@ -42,6 +42,8 @@ class RollbackConfig:
     """skip_data: batches skipped past the restored position."""
     lr_factor: float = 0.5
     """lower_lr: the schedule's LR is multiplied by this."""
+    z_loss: float = 1e-4
+    """z_loss: the z-loss coefficient it switches on (PaLM used 1e-4)."""
     max_rollbacks: int = 5
     """Rollbacks allowed in ``window`` steps; one more aborts."""
     window: int = 1000
@@ -55,6 +57,7 @@ class RollbackConfig:
             check_positive("rollback.keep_durable", self.keep_durable, integer=True)
         check_range("rollback.margin", self.margin, 0, float("inf"))
         check_range("rollback.lr_factor", self.lr_factor, 1e-6, 1.0)
+        check_range("rollback.z_loss", self.z_loss, 1e-12, float("inf"))
         for i, r in enumerate(self.ladder):
             check_choice(f"rollback.ladder[{i}]", r, REMEDIES)
 

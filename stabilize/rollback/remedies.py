@@ -10,7 +10,9 @@ the fp32 reduction is this project's own, docs/stability.md):
   does not recur; Megatron-LM re-runs a failing step to tell the two kinds apart);
 - ``skip_data``: move the data position ``rollback.skip_batches`` past the restored one;
 - ``lower_lr``: multiply the LR scale by ``rollback.lr_factor``;
-- ``fp32_reduction``: switch every norm's reduction to fp32.
+- ``fp32_reduction``: switch every norm's reduction to fp32;
+- ``z_loss``: switch PaLM's z-loss on (``rollback.z_loss`` x mean(log Z^2) added to the loss;
+  Wortsman et al. 2023 found it prevents output-logit divergence), mid-run.
 
 A remedy from outside the package: subclass ``Remedy``, set ``name``, and
 ``register_remedy(MyRemedy())`` before the run's config is built (the ladder is checked
@@ -84,6 +86,19 @@ class FP32Reduction(Remedy):
         set_reduction_dtype(state.model, "fp32")  # a module attribute, not in the state dict
 
 
+class ZLoss(Remedy):
+    """Sets the model's z-loss coefficient (``GPT.z_loss``, read by the loss every step) to
+    ``rollback.z_loss``, or keeps a larger one already set. The coefficient is saved in
+    checkpoints by the module (``stabilize.z_loss``), like the LR scale: no reapply."""
+
+    name = "z_loss"
+
+    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+        before = float(state.model.z_loss)
+        state.model.z_loss = max(before, cfg.z_loss)
+        return {"z_loss": state.model.z_loss, "z_loss_before": before}
+
+
 REMEDIES: dict[str, Remedy] = {}
 
 
@@ -110,5 +125,5 @@ def reapply_remedies(state: TrainState, names: list[str]) -> None:
         get_remedy(name, "checkpoint remedies").reapply(state)
 
 
-for _remedy in (Retry(), SkipData(), LowerLR(), FP32Reduction()):
+for _remedy in (Retry(), SkipData(), LowerLR(), FP32Reduction(), ZLoss()):
     register_remedy(_remedy)

@@ -114,7 +114,7 @@ class StabilityCallback(L.Callback):
             # this step is logged iff Lightning's step after it is a multiple of the interval
             logged = (trainer.global_step + 1) % trainer.log_every_n_steps == 0
             detailed = logged or self._detailed_always
-            self.probe.reset(detailed=detailed, device=pl_module.device)
+            self.probe.reset(detailed=detailed, device=pl_module.device, logged=logged)
         self._batch = batch
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):

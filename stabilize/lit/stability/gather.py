@@ -50,6 +50,9 @@ class StepGather:
         ]
         nh = HEAD
         if probe is not None:
+            # -- issue 15 item 5: per-block gradient norms and update/weight ratios, on log
+            # steps, into the probe's own slots (they travel in the vector below) --
+            probe.record_params(optimizer, head[1], pl_module.cfg.optim.grad_clip)
             # the probe's buffer has HEAD lead slots for these: the step is one vector
             maxima, _ = probe.vector(dev)
             vec = probe.buf
