@@ -149,6 +149,8 @@ def check_resume(resume: str) -> None:
     if resume in ("none", "auto", "restart"):  # modes, not paths (lit/checkpoint.py)
         return
     path = Path(resume)
+    if path.is_dir() and (path / "meta.pt").is_file():  # sharded (FSDP): a DCP directory
+        return
     if not path.is_file():
         raise ConfigError(
             f"resume={resume!r} is not allowed: no such checkpoint file; {RESUME_ALLOWED}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -227,8 +228,10 @@ class Sharder:
 
     ``world`` 1 keeps the full per-rank copy (``to_cpu``), exactly as before."""
 
-    def __init__(self, rank: int = 0, world: int = 1):
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int = 0, world: int = 1, fsdp: bool = False):
+        # under FSDP each rank's state is already its shard: kept whole (world 1 here), and
+        # durable snapshots go through torch.distributed.checkpoint (rollback/dcp.py)
+        self.rank, self.world, self.fsdp = rank, (1 if fsdp else world), fsdp
         self.cuda: _CudaCopy | None = None
         self._durable: dict | None = None  # the full host copy rank 0 last handed the writer
 
@@ -263,6 +266,19 @@ class Sharder:
             self.cuda.fence()  # the restore's copies into the live tensors come after it
         rest = {k: v for k, v in state.items() if k != SHARD}
         return {**rest, **shard.gather()}
+
+    def write_durable(
+        self, snap: Snapshot, parts: dict, writer, directory: Path, model, optimizer
+    ) -> None:
+        """Every rank calls this at a durable step. FSDP: every rank writes its shard (DCP,
+        in line: a collective); else rank 0 hands the whole state to the background writer."""
+        if self.fsdp:
+            from stabilize.rollback.dcp import save_sharded
+
+            writer.wait()
+            save_sharded(snap, model, optimizer, directory, writer.keep)
+        elif self.rank == 0:
+            writer.submit(self.durable(snap, parts, writer), directory)
 
     def durable(self, snap: Snapshot, parts: dict[str, Any], writer) -> Snapshot:
         """The snapshot to write to disk: the whole state. Sharded, rank 0 copies the full

@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from stabilize.faults import FaultConfig, FaultInjector
+from stabilize.lit.fsdp import is_fsdp
 from stabilize.lit.probe import StabilityProbe
 from stabilize.lit.stability.controller import RollbackController
 from stabilize.lit.stability.gather import HEAD, StepGather
@@ -84,7 +85,8 @@ class StabilityCallback(L.Callback):
             self.probe = StabilityProbe(model, lead=HEAD)
         # DDP replicas hold the same state: each rank snapshots 1/world of it (sharded.py)
         world = trainer.world_size if isinstance(trainer.strategy, DDPStrategy) else 1
-        self.controller.sharder = Sharder(trainer.global_rank, world)
+        fsdp = is_fsdp(trainer.strategy)  # each rank's state is its shard already
+        self.controller.sharder = Sharder(trainer.global_rank, world, fsdp=fsdp)
         if world > 1 and self.rollback_on:
             rank_zero_info(f"[stability] snapshots sharded: each of {world} ranks keeps 1/{world}")
 

@@ -79,9 +79,9 @@ class RollbackController:
         snap = Snapshot(pl_module.model_step, state)
         self.ring.push(snap)
         every = self.cfg.durable_every
-        if every and snap.step % every == 0 and trainer.is_global_zero:
-            durable = self.sharder.durable(snap, parts, self.writer)  # the whole state
-            self.writer.submit(durable, self.run_dir / "snapshots")
+        if every and snap.step % every == 0:  # rank 0 the whole state; FSDP: every shard
+            d = self.run_dir / "snapshots"
+            self.sharder.write_durable(snap, parts, self.writer, d, pl_module.model, opt)
 
     def restore(self, trainer, pl_module, st: dict) -> None:
         """Load a snapshot's state into the live model, optimizer, scheduler, scaler and
