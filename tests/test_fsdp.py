@@ -63,6 +63,7 @@ def test_fsdp_on_two_cpu_ranks_rolls_back_a_nan_on_rank_1_and_trains_like_one_pr
     run_dir = tmp_path / "fsdp"
     args = [*BASE, "trainer.max_steps=8", "trainer.strategy=fsdp", "rollback.ladder=[retry]"]
     args += ["fault=nan_loss", "fault.step=5", "fault.rank=1"]
+    args += ["rollback.keep_durable=2", "trainer.keep_checkpoints=1"]  # retention, sharded
     launch(run_dir, 2, args, tmp_path)
     evs = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     rb = [e for e in evs if e["kind"] == "rollback" and e["monitor"] == "rollback"]
@@ -77,9 +78,13 @@ def test_fsdp_on_two_cpu_ranks_rolls_back_a_nan_on_rank_1_and_trains_like_one_pr
     for s in ref:
         assert abs(got[s] - ref[s]) <= 1e-5, (s, got[s], ref[s])
     # durable snapshots and checkpoints: DCP directories, one shard file per rank
-    for step in (4, 8):
-        d = run_dir / "snapshots" / f"snapshot-{step:06d}"
+    snaps = sorted(p.name for p in (run_dir / "snapshots").iterdir())
+    assert snaps == ["snapshot-000004", "snapshot-000008"]  # step 0's pruned: keep_durable=2
+    for name in snaps:
+        d = run_dir / "snapshots" / name
         assert sorted(p.name for p in d.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert ckpts == ["last.ckpt", "step-000008.ckpt"]  # step 4's removed: keep_checkpoints=1
     assert (run_dir / "checkpoints" / "last.ckpt" / ".metadata").is_file()
     # saved by 2 ranks, loaded by 1 (an unsharded model): the reference's final weights
     cfg = compose_run(tmp_path / "x", [*BASE, "data.batch_size=8"])
