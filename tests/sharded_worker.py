@@ -42,6 +42,38 @@ def same(a, b) -> bool:
     return a == b
 
 
+def fsdp_ring(world: int) -> dict:
+    """FSDP2: each rank's snapshot is its own shard (DTensors); a snapshot that left the ring
+    lends its shards' host buffers to the next one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16, vocab_size=256))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 2, seed=4)
+    first = to_cpu(state(model, opt))
+    w = first["model"]["h.0.attn.c_attn.weight"]
+    out = {"fsdp_shard": w.to_local().numel() * world == w.numel()}
+    train(model, opt, 2, seed=5)
+    now = to_cpu(state(model, opt))
+    again = to_cpu(state(model, opt), first)  # the ring's recycling
+    w2 = again["model"]["h.0.attn.c_attn.weight"]
+    out["fsdp_reused"] = (
+        w2 is w
+        and again["optimizer"]["state"][0]["exp_avg"] is (first["optimizer"]["state"][0]["exp_avg"])
+    )
+    out["fsdp_recycled_equal_live"] = same(
+        {k: v.to_local() for k, v in again["model"].items()},
+        {k: v.to_local() for k, v in now["model"].items()},
+    )
+    return out
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -72,6 +104,7 @@ def main(out: str) -> None:
     )
     res["recycled_equal_live"] = same(sharder.whole(again), now)
     res["empty_optimizer_state"] = sharder.whole(empty)["optimizer"]["state"] == {}
+    res.update(fsdp_ring(world))
     fp = [float(p.detach().double().sum()) for p in model.parameters()]
     res["fingerprint"] = fp
     with open(f"{out}/rank{rank}.json", "w") as f:

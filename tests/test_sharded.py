@@ -88,6 +88,7 @@ def test_two_ranks_restore_sliced_snapshots_bit_identically(tmp_path):
     for x in res:
         assert x["gathered_equal_ref"] and x["live_differs"] and x["restored_equal_ref"]
         assert x["reused"] and x["recycled_equal_live"] and x["empty_optimizer_state"]
+        assert x["fsdp_shard"] and x["fsdp_reused"] and x["fsdp_recycled_equal_live"]
         sliced, full, ref = x["bytes"]
         assert full == ref and sliced <= 0.55 * full  # half, plus padding
     assert res[0]["fingerprint"] == res[1]["fingerprint"]
