@@ -78,6 +78,7 @@ class SnapClock(L.Callback):
             "rank": trainer.global_rank,
             "ring_bytes": sum(host_bytes(s.state) for s in ring),
             "ring_steps": [s.step for s in ring],
+            "ring_each": [host_bytes(s.state) for s in ring],
             "snap_s": self.snap_s,
             "steps": len(self.step_s),
             "step_s": sum(self.step_s),
