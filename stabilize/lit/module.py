@@ -29,6 +29,7 @@ from torch import nn
 
 from stabilize.data import bits_per_byte, build_dataloaders
 from stabilize.lit.config import OptimConfig, RunConfig
+from stabilize.lit.fsdp import full_norm, shard_model
 from stabilize.model import GPT, set_activation_checkpointing
 from stabilize.model.logits import lm_loss
 from stabilize.norms import Norm
@@ -106,6 +107,10 @@ class GPTLitModule(L.LightningModule):
         if self.cfg.trainer.compile and not getattr(self, "_compiled", False):
             self.model.compile()
             self._compiled = True
+        mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy (lit/fsdp.py)
+        if mesh is not None and not getattr(self, "_sharded", False):
+            shard_model(self.model, mesh["data_parallel"])
+            self._sharded = True
 
     # ---- data ---------------------------------------------------------------------------
     def _loaders(self):
@@ -290,7 +295,7 @@ class GPTLitModule(L.LightningModule):
         else:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             self.grad_norm = (
-                torch.nn.utils.get_total_norm(grads, foreach=True)
+                full_norm(torch.nn.utils.get_total_norm(grads, foreach=True))  # FSDP2: DTensor
                 if grads
                 else torch.zeros((), device=self.device)
             )

@@ -12,9 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from stabilize.faults import FaultConfig, FaultInjector
+from stabilize.lit.fsdp import is_fsdp
 from stabilize.lit.probe import StabilityProbe
 from stabilize.lit.stability.controller import RollbackController
 from stabilize.lit.stability.gather import HEAD, StepGather
@@ -22,6 +24,7 @@ from stabilize.lit.stability.localize import localize_nonfinite
 from stabilize.lit.stability.sink import EventSink
 from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
 from stabilize.rollback import RollbackConfig
+from stabilize.rollback.sharded import Sharder
 
 
 class StabilityCallback(L.Callback):
@@ -80,6 +83,12 @@ class StabilityCallback(L.Callback):
             self.injector.load_state_dict(self._fault_state)
         if self.mcfg.enabled:
             self.probe = StabilityProbe(model, lead=HEAD)
+        # DDP replicas hold the same state: each rank snapshots 1/world of it (sharded.py)
+        world = trainer.world_size if isinstance(trainer.strategy, DDPStrategy) else 1
+        fsdp = is_fsdp(trainer.strategy)  # each rank's state is its shard already
+        self.controller.sharder = Sharder(trainer.global_rank, world, fsdp=fsdp)
+        if world > 1 and self.rollback_on:
+            rank_zero_info(f"[stability] snapshots sharded: each of {world} ranks keeps 1/{world}")
 
     def on_train_start(self, trainer, pl_module):
         if self.rollback_on:

@@ -29,6 +29,7 @@ from stabilize.rollback import (
     get_remedy,
     to_cpu,
 )
+from stabilize.rollback.sharded import Sharder
 
 
 class StabilityAbort(RuntimeError):
@@ -48,6 +49,7 @@ class RollbackController:
         self.writer = DurableWriter(background=cfg.durable_async, keep=cfg.keep_durable)
         self.policy = RollbackPolicy(cfg)
         self.injector: FaultInjector | None = None  # set by the callback's setup
+        self.sharder = Sharder()  # world 1: full copies; set per world by the callback
 
     @staticmethod
     def _objects(trainer):
@@ -63,9 +65,10 @@ class RollbackController:
         old = self.ring.recycle() or {}
         if self.writer.busy_with(old):  # still being written to disk: let it finish first
             self.writer.wait()
+        # model + optimizer: full host copies, or this rank's 1/world slice under DDP
+        parts = {"model": pl_module.model.state_dict(), "optimizer": opt.state_dict()}
         state = {
-            "model": to_cpu(pl_module.model.state_dict(), old.get("model")),
-            "optimizer": to_cpu(opt.state_dict(), old.get("optimizer")),
+            **self.sharder.capture(parts, old, opt),
             "scheduler": to_cpu(sched.state_dict()),
             "scaler": scaler.state_dict() if scaler is not None else None,
             "model_step": pl_module.model_step,
@@ -76,8 +79,9 @@ class RollbackController:
         snap = Snapshot(pl_module.model_step, state)
         self.ring.push(snap)
         every = self.cfg.durable_every
-        if every and snap.step % every == 0 and trainer.is_global_zero:
-            self.writer.submit(snap, self.run_dir / "snapshots")
+        if every and snap.step % every == 0:  # rank 0 the whole state; FSDP: every shard
+            d = self.run_dir / "snapshots"
+            self.sharder.write_durable(snap, parts, self.writer, d, pl_module.model, opt)
 
     def restore(self, trainer, pl_module, st: dict) -> None:
         """Load a snapshot's state into the live model, optimizer, scheduler, scaler and
@@ -105,7 +109,7 @@ class RollbackController:
         if decision.action == "abort":
             self.abort(trainer, pl_module, event, decision.reason, last)
         snap, remedy = decision.snapshot, decision.remedy
-        st = snap.state
+        st = self.sharder.whole(snap.state)  # sharded: one all-gather rebuilds it
         self.restore(trainer, pl_module, st)
         if self.injector is not None and st["fault"] is not None:
             self.injector.on_rollback(st["fault"])
