@@ -15,6 +15,7 @@ from stabilize.monitors.health import (
     NonFiniteMonitor,
 )
 from stabilize.monitors.registry import register_monitor
+from stabilize.monitors.replicas import ReplicasConfig, ReplicasMonitor
 from stabilize.monitors.spikes import SpikeConfig, SpikeMonitor
 
 register_monitor("activation", ActivationConfig, ActivationMonitor.from_config)
@@ -34,3 +35,4 @@ register_monitor(
 )
 register_monitor("nonfinite", NonFiniteConfig, NonFiniteMonitor.from_config, flag=True)
 register_monitor("loss_scale", LossScaleConfig, LossScaleMonitor.from_config)
+register_monitor("replicas", ReplicasConfig, ReplicasMonitor.from_config)

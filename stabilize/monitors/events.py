@@ -52,6 +52,8 @@ class StepStats:
     norm_nan_rows: dict[str, float] = field(default_factory=dict)
     norm_rms_max: dict[str, float] = field(default_factory=dict)  # norm -> largest row RMS
     attn_logit: dict[str, float] = field(default_factory=dict)  # block -> logit upper bound
+    # each rank's parameter fingerprint, on replica-check steps only (empty otherwise)
+    replicas: tuple[int, ...] = ()
 
 
 # What a monitor may declare in ``needs``: every StepStats field but the step.
