@@ -19,6 +19,7 @@ ranks, as DDP does), so that its grad norm speaks of the same thing as the step'
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -106,7 +107,9 @@ def replay(trainer, pl_module, batches, positions, *, trace: bool = False) -> di
                 loss = inj.on_loss(step, loss)
                 inj.arm(step, model)
             try:
-                (loss * (scale / n)).backward()
+                with warnings.catch_warnings():  # modules whose inputs need no gradient
+                    warnings.filterwarnings("ignore", "Full backward hook is firing")
+                    (loss * (scale / n)).backward()
             finally:
                 if inj is not None:
                     inj.disarm()  # no after_backward: a replay flips no bit
