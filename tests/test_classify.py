@@ -76,8 +76,8 @@ def test_the_class_picks_the_rungs_that_fit_it_then_the_ladder_orders_them():
 def test_a_data_linked_batch_is_skipped_recorded_and_stays_skipped_on_resume(tmp_path):
     """poisoned_batch at data position 3 (step 4): the replay fails, the next batch from the
     same weights does not: data-linked, skipped. Resumed from the step-1 checkpoint (the
-    rollback to step 2 rewrote the later ones; this one predates the skip), the run skips it again from skipped_batches.json and ends on the
-    first launch's weights exactly."""
+    rollback to step 2 rewrote the later ones; this one predates the skip), the run skips
+    it again from skipped_batches.json and ends on the first launch's weights exactly."""
     common = [
         *BASE,
         "fault=poisoned_batch",
@@ -159,5 +159,5 @@ def test_a_bitflip_fires_once_on_its_rank_after_the_backward(flip):
         other.disarm(model)
         inj.begin(step)
         inj.disarm(model)
-    changed = (target.detach().view(-1).view(torch.int32) ^ before.view(-1).view(torch.int32))
+    changed = target.detach().view(-1).view(torch.int32) ^ before.view(-1).view(torch.int32)
     assert changed.tolist() == [1 << 3] + [0] * (target.numel() - 1)

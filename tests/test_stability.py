@@ -74,7 +74,12 @@ def kinds(evs, kind):
             "transient",
             "retry",
         ),
-        (["fault=grad_spike", "fault.step=11", "fault.factor=1e4"], "grad_spike", "transient", "retry"),
+        (
+            ["fault=grad_spike", "fault.step=11", "fault.factor=1e4"],
+            "grad_spike",
+            "transient",
+            "retry",
+        ),
         # deterministic: the drift overflows the replay and the next batch alike
         (drift_fault(cross_step=9), "overflow", "deterministic", "lower_lr"),
     ],
@@ -277,13 +282,24 @@ BITFLIP = ["fault=bitflip", "fault.param=h.1.mlp.c_fc.weight"]
         (["fault=nan_loss", "fault.step=6"], "nonfinite", 6, "transient", [1]),
         # data-linked: data position 5 (step 6) fails on its replay, position 6 does not
         (["fault=poisoned_batch", "fault.batch=5"], "nonfinite", 6, "data", None),
-        # an exponent bit of rank 1's reduced gradient: a grad-norm spike, rank 1's alone
-        ([*BITFLIP, "fault.flip=grad", "fault.bit=30", "fault.step=10"], "grad_spike", 10,
-         "transient", [1]),
+        # an exponent bit of rank 1's reduced gradient (1e-3 -> 2^118: its square overflows
+        # rank 1's grad norm), rank 1's alone
+        (
+            [*BITFLIP, "fault.flip=grad", "fault.bit=30", "fault.step=10"],
+            "nonfinite",
+            10,
+            "transient",
+            [1],
+        ),
         # a mantissa bit of rank 1's weight: silent but for the replica check (every 4
         # steps: the flip at step 5 is named at step 8, within N)
-        ([*BITFLIP, "fault.bit=20", "fault.step=5", "monitor.replicas.every=4"], "replicas", 8,
-         "transient", [1]),
+        (
+            [*BITFLIP, "fault.bit=20", "fault.step=5", "monitor.replicas.every=4"],
+            "replicas",
+            8,
+            "transient",
+            [1],
+        ),
         (drift_fault(cross_step=8), "overflow", 8, "deterministic", None),
     ],
     ids=["nan_loss", "poisoned_batch", "bitflip-grad", "bitflip-param", "drift"],

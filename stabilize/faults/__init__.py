@@ -5,10 +5,11 @@ forward, rollback and checkpoint state), registered by name (``base.register_fau
 ``fault.kind`` (``FaultConfig``, the Hydra ``fault=`` group) picks one and
 ``FaultInjector`` drives it.
 
-Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike`` (``point.py``) and
-``activation_drift`` (``drift.py``), ``bitflip`` and ``poisoned_batch`` (``silent.py``). To add one: subclass ``PointFault`` (or ``Fault``),
-set ``kind``, override the hooks it needs, decorate it with ``@register_fault``, import
-its module below, and add ``configs/fault/<kind>.yaml``.
+Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike`` (``point.py``),
+``activation_drift`` (``drift.py``), ``bitflip`` and ``poisoned_batch`` (``silent.py``).
+To add one: subclass ``PointFault`` (or ``Fault``), set ``kind``, override the hooks it
+needs, decorate it with ``@register_fault``, import its module below, and add
+``configs/fault/<kind>.yaml``.
 """
 
 from stabilize.faults.base import (

@@ -117,8 +117,7 @@ class RollbackPolicy:
         if snap is None:
             return Decision(
                 "abort",
-                reason=f"no snapshot at or before step "
-                f"{limit} (have {ring.steps()})",
+                reason=f"no snapshot at or before step {limit} (have {ring.steps()})",
             )
         remedy = rungs[len(same)]
         self.history.append(

@@ -25,6 +25,11 @@ from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, Ste
 from stabilize.rollback import RollbackConfig
 
 
+def _sharded(trainer) -> bool:
+    """FSDP (the module's test too): parameters and gradients are shards."""
+    return hasattr(trainer.strategy.model, "clip_grad_norm_")
+
+
 class StabilityCallback(L.Callback):
     def __init__(
         self,
@@ -160,7 +165,7 @@ class StabilityCallback(L.Callback):
     def _gather(self, trainer, pl_module, optimizer) -> StepStats:
         """One vector, one collective, one host transfer (with every rank's parameter
         fingerprint every ``monitor.replicas.every`` steps)."""
-        n = self.replicas_every
+        n = 0 if _sharded(trainer) else self.replicas_every  # shards differ by design
         due = bool(n) and trainer.world_size > 1 and (pl_module.model_step + 1) % n == 0
         return self.gather(trainer, pl_module, optimizer, self.probe, replicas=due)
 
@@ -172,7 +177,7 @@ class StabilityCallback(L.Callback):
         nonfinite = next((e for e in bad if e.monitor in LOCALIZED), None)
         localize = nonfinite is not None and (self.rollback_on or not self._localized)
         classify = self.rollback_on and self.rcfg.classify and "class" not in fault.extra
-        if not (localize or classify):
+        if not (localize or classify) or _sharded(trainer):  # the replay needs whole grads
             return
         info = self.classifier(
             trainer,

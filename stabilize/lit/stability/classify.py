@@ -42,7 +42,9 @@ def _differ(a: float, b: float) -> bool:
 def blame(before: list[tuple], after: list[tuple]) -> list[int]:
     """The ranks whose loss changed in the replay; none: those whose grad norm did."""
     for k in (0, 1):
-        ranks = [r for r, (x, y) in enumerate(zip(before, after)) if _differ(x[k], y[k])]
+        ranks = [
+            r for r, (x, y) in enumerate(zip(before, after, strict=True)) if _differ(x[k], y[k])
+        ]
         if ranks:
             return ranks
     return list(range(len(before)))
@@ -105,6 +107,8 @@ class Classifier:
         if self.calls_again(stats2, event.monitor):
             return {**info, "class": "deterministic"}
         bad = [
-            q for i, q in enumerate(positions) if any(not math.isfinite(x["losses"][i]) for x in reports)
+            q
+            for i, q in enumerate(positions)
+            if any(not math.isfinite(x["losses"][i]) for x in reports)
         ]
         return {**info, "class": "data", "batches": bad or list(positions)}

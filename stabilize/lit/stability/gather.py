@@ -133,7 +133,8 @@ class StepGather:
             for r in (rows[i * nh : (i + 1) * nh] for i in range(w))
         ]
         loss_v, gnorm, sc, inf = host[:SCALARS]
-        named = probe.unpack(host[nh : nh + nm], host[nh + nm : len(host) - w * nh]) if probe else {}
+        counts = host[nh + nm : len(host) - w * nh]
+        named = probe.unpack(host[nh : nh + nm], counts) if probe else {}
         fps = [r[2] for r in self.ranks]
         return StepStats(
             step=pl_module.model_step + 1,

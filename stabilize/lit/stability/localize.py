@@ -97,7 +97,7 @@ def replay(trainer, pl_module, batches, positions, *, trace: bool = False) -> di
     try:
         for p in params:
             p.grad = None
-        for (x, y), pos in zip(batches, positions):
+        for (x, y), pos in zip(batches, positions, strict=True):
             pl_module.seed_dropout(pos)
             if inj is not None:
                 inj.begin(step, pos)
@@ -123,7 +123,7 @@ def replay(trainer, pl_module, batches, positions, *, trace: bool = False) -> di
     finally:
         if tr is not None:
             tr.close()
-        for p, g in zip(params, saved):
+        for p, g in zip(params, saved, strict=True):
             p.grad = g
     dev = pl_module.device
     finite = torch.isfinite(gnorm)
