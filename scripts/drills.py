@@ -4,11 +4,12 @@ classification assigned, the ranks it blamed, the remedy chosen and the outcome.
 
     python scripts/drills.py                # every drill, 1 and 2 ranks (~10 min on 2 cores)
     python scripts/drills.py --ranks 1 --only nan_loss,poisoned_batch
+    python scripts/drills.py --keep DIR --reuse   # a drill whose run dir is finished is read
 
 Each drill is a real launch (``stabilize-train``, or ``scripts/launch.sh`` for 2 ranks) of
 the tiny model on CPU; the table is read back from the run dirs (events.jsonl,
-result.json, replicas.json, skipped_batches.json). Prints a Markdown table
-(docs/stability.md has one).
+result.json, replicas.json, skipped_batches.json). Prints a Markdown table, a row as each
+drill ends (docs/stability.md has one).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def read(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
 
-def summarize(run_dir: Path, rc: int) -> dict[str, str]:
+def summarize(run_dir: Path, rc: int, ranks: int) -> dict[str, str]:
     """One table row's cells from a finished drill's run dir."""
     evs = read(run_dir)
     verdicts = [e for e in evs if e["kind"] == "rollback" and e["monitor"] != "rollback"]
@@ -112,9 +113,12 @@ def summarize(run_dir: Path, rc: int) -> dict[str, str]:
             blamed.append(f"rank {x['ranks']}")
         if "batches" in x:
             blamed.append(f"batch {x['batches']}")
-        loc = [r.get("grad_module") or r.get("module") for r in x.get("localization", [])]
-        if any(loc):
-            blamed.append("at " + "/".join(str(m) for m in loc))
+        for r in x.get("localization", []):  # per rank: the forward's, else the backward's
+            if r.get("module"):
+                blamed.append(f"rank {r['rank']}: fwd {r['module']}")
+            elif r.get("grad_module"):
+                came = "" if r.get("grad_incoming_finite") else ", incoming non-finite"
+                blamed.append(f"rank {r['rank']}: bwd {r['grad_module']}{came}")
     remedies = " -> ".join(e["extra"]["remedy"] for e in rolls) or "-"
     result = {}
     if (run_dir / "result.json").exists():
@@ -124,7 +128,7 @@ def summarize(run_dir: Path, rc: int) -> dict[str, str]:
     elif rc == 0:
         outcome = f"done, step {result.get('model_step', '?')}"
         rep = run_dir / "replicas.json"
-        if rep.exists():
+        if ranks > 1 and rep.exists():
             same = json.loads(rep.read_text())["identical"]
             outcome += ", replicas identical" if same else ", REPLICAS DIFFER"
     else:
@@ -143,26 +147,29 @@ def main() -> None:
     ap.add_argument("--ranks", default="1,2", help="comma-separated process counts")
     ap.add_argument("--only", default="", help="comma-separated drill names (default: all)")
     ap.add_argument("--keep", default=None, help="keep the run dirs under this directory")
+    ap.add_argument("--reuse", action="store_true", help="read finished drills, don't rerun")
     args = ap.parse_args()
     names = [n for n in DRILLS if not args.only or n.split(" ")[0] in args.only.split(",")]
     base = Path(args.keep or tempfile.mkdtemp(prefix="drills-"))
-    rows = []
-    for ranks in [int(r) for r in args.ranks.split(",")]:
-        for name in names:
-            run_dir = base / f"{name.split(' ')[0]}-{len(rows)}-{ranks}p" / "run"
-            run_dir.parent.mkdir(parents=True, exist_ok=True)
-            rank = [f"fault.rank={ranks - 1}"]
-            t0 = time.time()
-            rc = launch([*COMMON, *DRILLS[name], *rank], ranks, run_dir)
-            row = {"fault": name, "ranks": str(ranks), **summarize(run_dir, rc)}
-            rows.append(row)
-            print(f"# {name} on {ranks}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     cols = ["fault", "ranks", "detected", "class", "blamed", "remedy", "outcome"]
     print(f"Drills: tiny GPT on CPU, {STEPS} steps, fault on the last rank; replica check every 4")
     print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(r[c] for c in cols) + " |")
+    print("|" + "---|" * len(cols), flush=True)
+    for name in names:
+        for ranks in [int(r) for r in args.ranks.split(",")]:
+            slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+            run_dir = base / f"{slug}-{ranks}p" / "run"
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            t0 = time.time()
+            done = run_dir / "result.json"
+            if args.reuse and done.exists():
+                status = json.loads(done.read_text()).get("status")
+                rc = {"done": 0, "aborted": 3}.get(status, 1)
+            else:
+                rc = launch([*COMMON, *DRILLS[name], f"fault.rank={ranks - 1}"], ranks, run_dir)
+            row = {"fault": name, "ranks": str(ranks), **summarize(run_dir, rc, ranks)}
+            print("| " + " | ".join(row[c] for c in cols) + " |", flush=True)
+            print(f"# {name} on {ranks}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
