@@ -120,6 +120,7 @@ def test_the_built_in_monitors_declare_what_they_read():
         "loss_spike": {"loss"},
         "nonfinite": {"loss", "grad_norm", "loss_scale"},
         "loss_scale": {"loss_scale", "scaler_skipped"},
+        "replicas": {"replicas"},
     }
 
 
