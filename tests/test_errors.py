@@ -59,7 +59,7 @@ CASES = [
         ["fault.param='h.9.nope'", "'wte.weight'", "h.0.attn.c_attn.weight", "h.1"],
     ),
     (["fault=activation_drift", "fault.layer=5"], ["fault.layer=5", "0 .. 1"]),
-    (["fault.kind=bitflip"], ["fault.kind='bitflip'", "'nan_loss'"]),
+    (["fault.kind=cosmic_ray"], ["fault.kind='cosmic_ray'", "'nan_loss'"]),
     # item 8: the data and the model agree; the data files are usable
     (["model.vocab_size=100"], ["model.vocab_size=100", "'bytes' tokenizer", ">= 256"]),
     (["data=hub"], ["data.name='???'", "data.source='hub'", "a dataset name"]),

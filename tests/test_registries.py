@@ -123,6 +123,7 @@ def test_the_built_in_monitors_declare_what_they_read():
         "attn_logit": {"attn_logit"},
         "attn_entropy": {"attn_entropy"},
         "log_z": {"log_z"},
+        "replicas": {"replicas"},
     }
 
 

@@ -23,6 +23,7 @@ from stabilize.monitors.logits import (
     LogZMonitor,
 )
 from stabilize.monitors.registry import register_monitor
+from stabilize.monitors.replicas import ReplicasConfig, ReplicasMonitor
 from stabilize.monitors.spikes import SpikeConfig, SpikeMonitor
 
 register_monitor("activation", ActivationConfig, ActivationMonitor.from_config)
@@ -46,3 +47,4 @@ register_monitor("loss_scale", LossScaleConfig, LossScaleMonitor.from_config)
 register_monitor("attn_logit", AttnLogitConfig, AttnLogitMonitor.from_config)
 register_monitor("attn_entropy", AttnEntropyConfig, AttnEntropyMonitor.from_config)
 register_monitor("log_z", LogZConfig, LogZMonitor.from_config)
+register_monitor("replicas", ReplicasConfig, ReplicasMonitor.from_config)

@@ -59,6 +59,8 @@ class StepStats:
     log_z: dict[str, float] = field(default_factory=dict)
     layer_grad_norm: dict[str, float] = field(default_factory=dict)
     update_ratio: dict[str, float] = field(default_factory=dict)
+    # each rank's parameter fingerprint, on replica-check steps only (empty otherwise)
+    replicas: tuple[int, ...] = ()
 
 
 # What a monitor may declare in ``needs``: every StepStats field but the step.
