@@ -205,6 +205,7 @@ class StabilityProbe:
         }
         for k, field in enumerate(self.COUNTS):
             out[field] = dict(zip(self.norms, counts[k * nn_ : (k + 1) * nn_], strict=True))
+        out["norm_dim"] = self.dims  # constant: the RMS line 255.94 / sqrt(D) needs D
         return out
 
     @staticmethod

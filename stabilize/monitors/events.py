@@ -52,6 +52,7 @@ class StepStats:
     norm_nan_rows: dict[str, float] = field(default_factory=dict)
     norm_rms_max: dict[str, float] = field(default_factory=dict)  # norm -> largest row RMS
     attn_logit: dict[str, float] = field(default_factory=dict)  # block -> logit upper bound
+    norm_dim: dict[str, int] = field(default_factory=dict)  # norm -> width D (constant)
 
 
 # What a monitor may declare in ``needs``: every StepStats field but the step.
