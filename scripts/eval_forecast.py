@@ -16,7 +16,9 @@ is the ``ActivationMonitor`` a run builds (``line=fp16_square``), fed the run's 
 per-step ``StepStats``: the monitor is a function of those alone, so replaying them gives
 the events the live run would have logged, and other settings can be scored without
 retraining (``--load``). Prints one markdown table (stabilize/monitors/forecast_score.py).
-Takes ~10 min on 2 busy cores (``--quick``: ~3 min); run it with ``nice -n 10``.
+Each run is a few seconds of training, but start-up dominates on a loaded machine: the
+full set (16 runs) took over an hour on 2 cores shared by a dozen processes, ``--quick`` (4
+runs) is the one to run there; run it with ``nice -n 10``.
 """
 
 from __future__ import annotations
@@ -60,26 +62,34 @@ BASE = [
 
 
 def recipes(quick: bool) -> list[tuple[str, str, list[str]]]:
-    """(group, name, overrides) of every run of the set; the second seed's natural runs
-    last, so a set cut short (``--save`` keeps every finished run) still has every group."""
-    out = []
+    """(group, name, overrides) of every run of the set, interleaved so that a set cut short
+    (``--save`` keeps every finished run) still holds every group."""
     drift = [
         "fault=activation_drift", "optim.lr=2e-3", "fault.layer=0", "fault.step=8",
         "fault.target_step=null", "fault.cross_step=32", "fault.target=1e5",
         "trainer.max_steps=50",
     ]  # fmt: skip
-    for seed in (1,) if quick else (1, 2):
-        for lr in (3e-2, 1e-1) if quick else (1e-2, 3e-2, 1e-1):
-            for place in ("pre", "post"):
-                ov = [f"optim.lr={lr}", f"norm.placement={place}", f"seed={seed}"]
-                out.append(("natural", f"lr{lr:g}-{place}-s{seed}", [*ov, "trainer.max_steps=40"]))
-        if seed > 1:
-            continue
-        for channels in ("1", "null"):  # one outlier channel; all channels (spread growth)
-            out.append(("injected", f"drift-ch{channels}", [*drift, f"fault.channels={channels}"]))
-        for place in ("pre",) if quick else ("pre", "post"):
-            ov = ["optim.lr=2e-3", f"norm.placement={place}"]
-            out.append(("healthy", f"lr2e-3-{place}", [*ov, "trainer.max_steps=80"]))
+
+    def natural(lr, place, seed):
+        ov = [f"optim.lr={lr}", f"norm.placement={place}", f"seed={seed}", "trainer.max_steps=40"]
+        return ("natural", f"lr{lr:g}-{place}-s{seed}", ov)
+
+    def injected(channels):  # one outlier channel; all channels (spread growth)
+        return ("injected", f"drift-ch{channels}", [*drift, f"fault.channels={channels}"])
+
+    def healthy(place):
+        ov = ["optim.lr=2e-3", f"norm.placement={place}", "trainer.max_steps=80"]
+        return ("healthy", f"lr2e-3-{place}", ov)
+
+    if quick:
+        return [natural(3e-2, "pre", 1), injected("1"), healthy("pre"), natural(1e-1, "post", 1)]
+    out = [
+        natural(1e-2, "pre", 1), natural(1e-2, "post", 1), natural(3e-2, "pre", 1),
+        injected("1"), healthy("pre"), natural(1e-1, "pre", 1), injected("null"),
+        natural(1e-1, "post", 1), natural(3e-2, "post", 1), healthy("post"),
+    ]  # fmt: skip
+    for lr in (1e-2, 3e-2, 1e-1):
+        out += [natural(lr, place, 2) for place in ("pre", "post")]
     return out
 
 

@@ -162,6 +162,7 @@ def test_activation_drift_reaches_its_target_on_time_and_is_warned_before(tmp_pa
                 "rollback=off",
                 "monitor.activation.horizon=15",
                 "monitor.activation.window=8",
+                "monitor.activation.line=fp16_square",  # fp32: the forecast runs when asked
             ],
         )
     )

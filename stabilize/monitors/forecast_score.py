@@ -70,9 +70,9 @@ def table(scores: list[RunScore]) -> str:
     groups = sorted({s.group for s in scores}, key=lambda g: (g == "healthy", g))
     rows = [
         "| set | runs | steps | crossings | warned >= 5 ahead | recall | warnings | "
-        "followed by a crossing | undetermined | precision | median lead "
+        "followed by a crossing | undetermined | precision | (undetermined as false) | median lead "
         "| false warnings / 1k healthy steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     crossing_groups = [g for g in groups if g != "healthy"]
     parts = [(g, [s for s in scores if s.group == g]) for g in groups]
@@ -92,6 +92,7 @@ def table(scores: list[RunScore]) -> str:
             f"| {name} | {len(ss)} | {steps} | {n_cross} | {n_timely} "
             f"| {_ratio(n_timely, n_cross)} "
             f"| {n_warn} | {n_true} | {n_open} | {_ratio(n_true, n_warn - n_open)} "
+            f"| {_ratio(n_true, n_warn)} "
             f"| {statistics.median(leads) if leads else '-'} "
             f"| {_per_k(false, healthy_steps)} |"
         )
