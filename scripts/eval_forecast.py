@@ -247,13 +247,16 @@ def main(argv=None) -> int:
                 first_crossings(truth),
                 replay(r, cfg),
                 cfg.horizon,
+                first=cfg.forecast_start,
             )  # fmt: skip
         )
-    early = sum(1 for s in scores for c in s.crossings.values() if c <= 5 + cfg.forecast_start)
     print(f"forecast: {', '.join(f'{k}={v}' for k, v in settings.items())}, horizon "
           f"{cfg.horizon}; {len(runs)} runs, {time.time() - t0:.0f} s")  # fmt: skip
     print(table(scores))
-    print(f"crossings too early to warn 5 steps ahead (step <= {5 + cfg.forecast_start}): {early}")
+    print(
+        f"warnable: crossings at step >= {cfg.forecast_start + 5} (the first forecast is at "
+        f"step {cfg.forecast_start}, 5 steps ahead of it)"
+    )
     for s in scores:
         missed = sorted((c, u) for u, c in s.crossings.items() if u not in s.timely)
         if missed or len(s.warnings) > s.true_warnings:

@@ -125,7 +125,9 @@ def test_score_counts_timely_followed_and_undetermined_warnings_by_hand():
     warnings = [("a", 1), ("a", 3), ("b", 2)]
     sc = RunScore("r", "natural", 8, crossings, warnings, horizon=10, lead_min=4)
     assert (sc.true_warnings, sc.undetermined, sc.false_warnings) == (2, 1, 0)
-    assert sc.timely == {"a": 4}
+    assert sc.timely == {"a": 4} and sc.warnable == {"a"}
+    # a first forecast at step 2 cannot warn 4 steps ahead of a crossing at 5: not warnable
+    assert RunScore("r", "natural", 8, crossings, [], 10, lead_min=4, first=2).warnable == set()
     short = RunScore("r", "natural", 20, crossings, [("b", 2)], horizon=10)
     assert (short.true_warnings, short.undetermined, short.false_warnings) == (0, 0, 1)
 

@@ -7,7 +7,8 @@ truth is the per-step value measured apart from the forecaster (the eval's float
 the warnings are the ``forecast`` events, one per layer and approach. Scores:
 
 - *recall*: crossings with a warning of the same unit at least ``lead_min`` steps before the
-  crossing and at most ``horizon`` steps before it;
+  crossing and at most ``horizon`` steps before it; also among the *warnable* crossings only,
+  those after step ``first + lead_min`` (``first``: the step of the first possible forecast);
 - *precision*: warnings followed by a crossing of their unit within ``horizon`` steps, among
   the warnings whose horizon the run covers (a warning not followed by a crossing before the
   run ended, with its horizon reaching past the end, is *undetermined*: counted apart);
@@ -45,6 +46,7 @@ class RunScore:
     warnings: list[tuple[Unit, int]]  # (unit, step), in order
     horizon: int
     lead_min: int = 5
+    first: int = 0  # the first step a forecast can be made
     timely: dict[Unit, int] = field(default_factory=dict)  # crossing unit -> lead
     true_warnings: int = 0
     undetermined: int = 0  # not followed by a crossing, but the run ended within the horizon
@@ -61,6 +63,10 @@ class RunScore:
                 self.undetermined += 1
 
     @property
+    def warnable(self) -> set[Unit]:
+        return {u for u, c in self.crossings.items() if c >= self.first + self.lead_min}
+
+    @property
     def false_warnings(self) -> int:
         return len(self.warnings) - self.true_warnings - self.undetermined
 
@@ -69,10 +75,11 @@ def table(scores: list[RunScore]) -> str:
     """A markdown table, one row per group and one for all groups but ``healthy``."""
     groups = sorted({s.group for s in scores}, key=lambda g: (g == "healthy", g))
     rows = [
-        "| set | runs | steps | crossings | warned >= 5 ahead | recall | warnings | "
+        "| set | runs | steps | crossings | warned >= 5 ahead | recall | warnable crossings "
+        "| recall (warnable) | warnings | "
         "followed by a crossing | undetermined | precision | (undetermined as false) | median lead "
         "| false warnings / 1k healthy steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     crossing_groups = [g for g in groups if g != "healthy"]
     parts = [(g, [s for s in scores if s.group == g]) for g in groups]
@@ -81,6 +88,8 @@ def table(scores: list[RunScore]) -> str:
     for name, ss in parts:
         n_cross = sum(len(s.crossings) for s in ss)
         n_timely = sum(len(s.timely) for s in ss)
+        n_able = sum(len(s.warnable) for s in ss)
+        n_able_ok = sum(len(s.warnable & set(s.timely)) for s in ss)
         n_warn = sum(len(s.warnings) for s in ss)
         n_true = sum(s.true_warnings for s in ss)
         n_open = sum(s.undetermined for s in ss)
@@ -90,7 +99,7 @@ def table(scores: list[RunScore]) -> str:
         healthy_steps = sum(s.steps for s in ss if not s.crossings)
         rows.append(
             f"| {name} | {len(ss)} | {steps} | {n_cross} | {n_timely} "
-            f"| {_ratio(n_timely, n_cross)} "
+            f"| {_ratio(n_timely, n_cross)} | {n_able} | {_ratio(n_able_ok, n_able)} "
             f"| {n_warn} | {n_true} | {n_open} | {_ratio(n_true, n_warn - n_open)} "
             f"| {_ratio(n_true, n_warn)} "
             f"| {statistics.median(leads) if leads else '-'} "
