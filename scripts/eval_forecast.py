@@ -164,8 +164,11 @@ def record(group: str, name: str, overrides: list[str], root: Path) -> dict:
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=[f"run_dir={run_dir}", *BASE, *overrides])
     rec = Recorder()
-    run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)), callbacks=(rec,))
+    rc = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    run(rc, callbacks=(rec,))
     shutil.rmtree(run_dir, ignore_errors=True)
+    if len(rec.steps) < rc.trainer.max_steps:  # Lightning ends a run on SIGTERM: not a result
+        raise SystemExit(f"{name}: stopped at step {len(rec.steps)}; not recorded")
     return {"group": group, "name": name, "dims": rec.dims, "alias": rec.alias, "steps": rec.steps}
 
 

@@ -50,6 +50,8 @@ class ActivationConfig:
     the projected crossing must clear to be warned."""
     noise_window: int = 32
     """Steps of increments the noise sigma is learned over."""
+    forecast_reach: float = 2.0
+    """Warn no further ahead than this many times the steps a layer has been seen."""
     forecast_damped: bool = True
     """Project a slowing rate as slowing (a damped trend: the recent half-window's rate
     against the older half's), so early training's levelling-off is not extrapolated."""
@@ -72,6 +74,7 @@ class ActivationConfig:
         check_positive("monitor.activation.forecast_start", self.forecast_start, integer=True)
         check_positive("monitor.activation.forecast_z", self.forecast_z)
         check_positive("monitor.activation.noise_window", self.noise_window, integer=True)
+        check_positive("monitor.activation.forecast_reach", self.forecast_reach)
         check_choice("monitor.activation.on_overflow", self.on_overflow, ("warn", "rollback"))
         check_choice("monitor.activation.line", self.line, LINES)
         check_choice("monitor.activation.activation_dtype", self.activation_dtype, ACT_DTYPES)
@@ -128,6 +131,7 @@ class ActivationMonitor:
             z=c.forecast_z,
             noise_window=c.noise_window,
             damped=c.forecast_damped,
+            reach=c.forecast_reach,
             line="fp16_square" if c.line == "auto" else c.line,
             activation_dtype=c.activation_dtype,
         )
@@ -142,6 +146,7 @@ class ActivationMonitor:
         z: float = 3.0,
         noise_window: int = 32,
         damped: bool = True,
+        reach: float = 2.0,
         line: str = "fp16_square",
         activation_dtype: str = "fp32",
     ):
@@ -154,7 +159,7 @@ class ActivationMonitor:
         self.line_kind = WARN if line == "fp16_square" else INFO
         self.meaning = line_meaning(line, activation_dtype)
         self.forecaster = LineForecaster(
-            horizon, window, min_points, z, noise_window, damped=damped
+            horizon, window, min_points, z, noise_window, damped=damped, reach=reach
         )
         self.above: set[str] = set()  # layers currently past the line (warn once per crossing)
         self.forecast: dict[str, float] = {}  # layer -> steps left (inf: not rising)

@@ -23,6 +23,9 @@ step (the values are already on the host; a few small numpy calls for all units 
   error over the window): the first such h solves a quadratic in sqrt(h). A layer that only
   fluctuates, or grows slowly against its own noise, is not warned; a steady climb is,
   however low it starts;
+- reach: no crossing is warned further ahead than ``reach`` x the steps seen so far (a
+  projection reaches at most twice as far as its data by default): the first points of a
+  run rise fast and mostly level off (eval: every early false warning came at steps 4-7);
 - deceleration: the slope used is the smaller of the window's and its recent half's, and
   (``damped``) the rate is projected to keep decaying as it did from the older half to the
   recent one (a damped trend), so early training's levelling-off is not extrapolated.
@@ -139,13 +142,16 @@ class LineForecaster:
         noise_window: int = 32,
         min_sigma: float = 0.01,
         damped: bool = True,
+        reach: float = 2.0,
     ):
         self.horizon, self.window, self.z, self.damped = horizon, window, z, damped
+        self.reach = reach
         self.min_points = max(3, min(min_points, window))
         self.noise_window, self.min_sigma = noise_window, min_sigma
         self.hist: dict[Unit, deque[float]] = {}
         self.dev: dict[Unit, deque[float]] = {}  # |increment - slope| as each was seen
         self.slope: dict[Unit, float] = {}  # last fitted slope per unit
+        self.seen: dict[Unit, int] = {}  # points seen per unit (the reach grows with it)
 
     def update(self, values: dict[Unit, tuple[float, float]]) -> dict[Unit, Projection]:
         ready: dict[int, list[Unit]] = {}  # points in the window -> units
@@ -160,6 +166,7 @@ class LineForecaster:
             if h and unit in self.slope:
                 self.dev[unit].append(abs(y - h[-1] - self.slope[unit]))
             h.append(y)
+            self.seen[unit] = self.seen.get(unit, 0) + 1
             if len(h) >= self.min_points:
                 ready.setdefault(len(h), []).append(unit)
         out: dict[Unit, Projection] = {}
@@ -194,7 +201,10 @@ class LineForecaster:
         # has standard error sigma sqrt(12 / (n^3 - n)); the pessimistic path takes z of them
         n = len(y)
         s_low = s - self.z * sigma * math.sqrt(12.0 / (n**3 - n))
-        within = first_significant(level, s_low, sigma, self.z, self.horizon, phi)
+        # no further ahead than ``reach`` times the steps seen: early training's first few
+        # points say little about 40 steps on (its fast rise mostly levels off)
+        ahead = min(self.horizon, self.reach * self.seen[u])
+        within = first_significant(level, s_low, sigma, self.z, ahead, phi)
         return Projection(level, s, sigma, steps_left(level, s, phi), within, phi)
 
     def state_dict(self) -> dict:
@@ -203,6 +213,7 @@ class LineForecaster:
             "hist": {key(u): list(h) for u, h in self.hist.items()},
             "dev": {key(u): list(d) for u, d in self.dev.items()},
             "slope": {key(u): s for u, s in self.slope.items()},
+            "seen": {key(u): n for u, n in self.seen.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -213,3 +224,4 @@ class LineForecaster:
         self.hist = {unit(k): deque(v, maxlen=self.window) for k, v in state["hist"].items()}
         self.dev = {unit(k): deque(v, maxlen=self.noise_window) for k, v in state["dev"].items()}
         self.slope = {unit(k): float(s) for k, s in state["slope"].items()}
+        self.seen = {unit(k): int(n) for k, n in state["seen"].items()}
