@@ -13,7 +13,7 @@ the warnings are the ``forecast`` events, one per layer and approach. Scores:
   the warnings whose horizon the run covers (a warning not followed by a crossing before the
   run ended, with its horizon reaching past the end, is *undetermined*: counted apart);
 - *lead*: steps from a crossing's first timely warning to the crossing;
-- *false warnings per 1,000 healthy steps*: warnings in runs labelled healthy (no crossing).
+- *false warnings per 1,000 healthy steps*: every warning in the runs labelled ``healthy``.
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ def table(scores: list[RunScore]) -> str:
         n_open = sum(s.undetermined for s in ss)
         steps = sum(s.steps for s in ss)
         leads = [lead for s in ss for lead in s.timely.values()]
-        false = sum(s.false_warnings + s.undetermined for s in ss if not s.crossings)
-        healthy_steps = sum(s.steps for s in ss if not s.crossings)
+        # every warning in a healthy run is a false one (the undetermined included)
+        false = sum(len(s.warnings) for s in ss if s.group == "healthy")
+        healthy_steps = sum(s.steps for s in ss if s.group == "healthy")
         rows.append(
             f"| {name} | {len(ss)} | {steps} | {n_cross} | {n_timely} "
             f"| {_ratio(n_timely, n_cross)} | {n_able} | {_ratio(n_able_ok, n_able)} "
