@@ -272,6 +272,7 @@ class ActivationMonitor:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.forecaster.load_state_dict(state["forecaster"])
+        if "forecaster" in state:  # a checkpoint from before issue 11 kept a "history": the
+            self.forecaster.load_state_dict(state["forecaster"])  # forecast restarts instead
         self.above = set(state["above"])
         self.forecast_warned = set(state["forecast_warned"])
