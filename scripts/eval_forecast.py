@@ -16,9 +16,9 @@ is the ``ActivationMonitor`` a run builds (``line=fp16_square``), fed the run's 
 per-step ``StepStats``: the monitor is a function of those alone, so replaying them gives
 the events the live run would have logged, and other settings can be scored without
 retraining (``--load``). Prints one markdown table (stabilize/monitors/forecast_score.py).
-The full set is 16 runs (``--quick``: 4). On the 2 shared cores here one run took 12-20 s
-when they were quiet and 3-5 min at a load of ~15-19: run it with ``nice -n 10``, and keep
-what it made with ``--save`` (an interrupted set resumes from it).
+The full set is 16 runs (``--quick``: 4): 346 s in one go on the 2 shared cores here, but one
+run took 3-5 min at a load of ~15-19: run it with ``nice -n 10``, and keep what it made
+with ``--save`` (an interrupted set resumes from it).
 """
 
 from __future__ import annotations
