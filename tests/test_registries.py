@@ -115,7 +115,14 @@ def test_a_monitor_needing_a_statistic_nothing_measures_is_refused(loss_ceiling)
 def test_the_built_in_monitors_declare_what_they_read():
     suite = MonitorSuite(MonitorConfig())
     assert {k: set(m.needs) for k, m in suite.monitors.items()} == {
-        "activation": {"act_max", "norm_overflow", "norm_collapsed", "norm_nan_rows"},
+        "activation": {
+            "act_max",
+            "norm_overflow",
+            "norm_collapsed",
+            "norm_nan_rows",
+            "norm_rms_max",
+            "norm_dim",
+        },
         "grad_spike": {"grad_norm"},
         "loss_spike": {"loss"},
         "nonfinite": {"loss", "grad_norm", "loss_scale"},

@@ -188,7 +188,7 @@ def test_activation_drift_reaches_its_target_on_time_and_is_warned_before(tmp_pa
                 "rollback=off",
                 "monitor.activation.horizon=15",
                 "monitor.activation.window=8",
-                "monitor.activation.forecast_min=4",
+                "monitor.activation.line=fp16_square",  # fp32: the forecast runs when asked
             ],
         )
     )
@@ -416,12 +416,12 @@ def test_default_monitor_config_reaches_the_monitors(tmp_path):
     assert suite.monitors["grad_spike"].kind == "warn"  # clipping absorbs most spikes
     assert suite.monitors["loss_spike"].kind == "rollback"
     act = suite.monitors["activation"]
-    assert (act.forecast_min, act.forecast_every) == (8.0, 10)
+    assert (act.horizon, act.forecaster.window, act.forecaster.z) == (40, 8, 3.0)
     cfg2 = compose_run(
-        tmp_path, ["monitor.activation.forecast_every=3", "monitor.grad_spike.action=rollback"]
+        tmp_path, ["monitor.activation.forecast_z=2.5", "monitor.grad_spike.action=rollback"]
     )
     suite2 = MonitorSuite(cfg2.monitor)
-    assert suite2.monitors["activation"].forecast_every == 3
+    assert suite2.monitors["activation"].forecaster.z == 2.5
     assert suite2.monitors["grad_spike"].kind == "rollback"
 
 

@@ -291,6 +291,7 @@ class StabilityProbe:
         for field, o in (("layer_grad_norm", "gn"), ("update_ratio", "upd")):
             vals = maxima[at[o] : at[o] + len(groups)]
             out[field] = {g: v for g, v in zip(groups, vals, strict=True) if not v < 0}
+        out["norm_dim"] = self.dims  # constant: the RMS line 255.94 / sqrt(D) needs D
         return out
 
     @staticmethod

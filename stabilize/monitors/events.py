@@ -61,6 +61,7 @@ class StepStats:
     update_ratio: dict[str, float] = field(default_factory=dict)
     # each rank's parameter fingerprint, on replica-check steps only (empty otherwise)
     replicas: tuple[int, ...] = ()
+    norm_dim: dict[str, int] = field(default_factory=dict)  # norm -> width D (constant)
 
 
 # What a monitor may declare in ``needs``: every StepStats field but the step.
