@@ -55,6 +55,9 @@ header prints the load average; use --threads 1 there.
 
 The verdict comes from a third measurement, in one run (scripts/monitor_toggle.py): the
 monitors switched off and on every 10 steps in ABBA order, so the machine's drifts hit both.
+``--replicas-steps N`` measures only the replica fingerprint the same way (monitors on in
+every block; the fingerprint every 10 steps in "on" blocks, as ``monitor.replicas.every``
+does in a multi-process run), and the fingerprint's own time, timed directly.
 
 Usage: python scripts/bench_monitors.py [--quick] [--steps 100] [--warmup 10] [--repeats 4]
        [--configs tiny,small[,125m]] [--precision fp32] [--logger wandb|none] [--threads N]
@@ -78,7 +81,7 @@ from benchlib import add_run_args, compose_cfg, prepare, run_overrides, train_wi
 from benchstats import block_overhead, window_blocks
 from monitor_clock import PARTS, BenchClock
 from monitor_report import report
-from monitor_toggle import toggle_bench
+from monitor_toggle import FingerprintToggle, toggle_bench
 
 from stabilize.lit.config import RunConfig
 
@@ -179,6 +182,35 @@ def bench(name: str, args, tmp: Path) -> dict:
     }
 
 
+def replicas_bench(name: str, args, tmp: Path) -> None:
+    """The replica fingerprint's overhead inside one run (ABBA blocks), and its own time."""
+    import time
+
+    from stabilize.lit.stability.gather import fingerprint, fingerprint_chunks
+
+    warm = args.warmup
+    common = run_overrides(CONFIGS[name], args.precision, warm + args.replicas_steps, args.logger)
+    cfg = compose_cfg(str(tmp / f"{name}-fp"), [*common, *ARMS["on"], "rollback.durable_every=0"])
+    clock = FingerprintToggle(warm)
+    tg = toggle_bench(cfg, args.replicas_steps, warm, 0.0, 0, clock=clock)
+    params = list(clock.model.parameters())
+    times = []
+    for _ in range(max(args.reps, 20)):
+        t0 = time.perf_counter()
+        fingerprint_chunks(fingerprint(params)).tolist()
+        times.append(time.perf_counter() - t0)
+    fp_ms, step_ms = 1000 * statistics.median(times), tg["t_step_ms"]
+    q = sorted(tg["t"])
+    print(
+        f"  {name}: replica fingerprint every 10 steps, in-run ABBA toggle "
+        f"{100 * statistics.median(q):+.2f}% (quartiles {100 * q[len(q) // 4]:+.2f}% .. "
+        f"{100 * q[(3 * len(q)) // 4]:+.2f}%, {tg['quads']} quads); timed directly "
+        f"{fp_ms:.3f} ms per fingerprint = {100 * fp_ms / step_ms:.2f}% of a {step_ms:.1f} ms "
+        f"step, {10 * fp_ms / step_ms:.3f}% amortised over 10 steps",
+        flush=True,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_args(ap, CONFIGS, repeats=4, pairs="(off, on)")
@@ -192,8 +224,16 @@ def main() -> None:
         help="steps of the in-run ABBA toggle measurement (the verdict; 20 quads: at 10 "
         "the quartiles spanned ~3-4 points on this shared machine); 0: skip it",
     )
+    ap.add_argument(
+        "--replicas-steps", type=int, default=0, help="only the replica fingerprint's toggle"
+    )
     args = ap.parse_args()
     names = prepare(ap, args, CONFIGS)
+    if args.replicas_steps:
+        with tempfile.TemporaryDirectory(prefix="bench_replicas-") as tmp:
+            for n in names:
+                replicas_bench(n, args, Path(tmp))
+        return
     if args.quick:
         args.toggle_steps = min(args.toggle_steps, 160)
     with tempfile.TemporaryDirectory(prefix="bench_monitors-") as tmp:

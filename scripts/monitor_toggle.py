@@ -60,12 +60,36 @@ class Toggle(StepClock):
             self._switch(self.on[b])
 
 
-def toggle_bench(cfg, steps: int, warmup: int, durable_ms: float, durable_every: int) -> dict:
+class FingerprintToggle(Toggle):
+    """Monitors on in every block; only the replica fingerprint (gather.py) is switched: in
+    "on" blocks the gather computes it every ``every`` steps, as a multi-process run does
+    (the fingerprint is computed and gathered whatever the world size here: one process
+    has nothing to compare it with, but pays the same)."""
+
+    def __init__(self, warmup: int, every: int = 10):
+        super().__init__(warmup)
+        self.every = every
+
+    def _switch(self, on: bool) -> None:
+        sc = self.sc
+        n = self.every if on else 0
+
+        def gather(trainer, pl_module, optimizer):
+            due = bool(n) and (pl_module.model_step + 1) % n == 0
+            return sc.gather(trainer, pl_module, optimizer, sc.probe, replicas=due)
+
+        sc._gather = gather  # an instance attribute: on_before_optimizer_step calls it
+
+
+def toggle_bench(
+    cfg, steps: int, warmup: int, durable_ms: float, durable_every: int, clock=None
+) -> dict:
     """One run of ``cfg`` (monitors and rollback on, durable snapshots off) with ``steps``
     toggled steps after ``warmup``; the durable write (``durable_ms`` every
-    ``durable_every`` steps) is added back amortised."""
+    ``durable_every`` steps) is added back amortised. ``clock``: what is toggled (default:
+    every monitor and the snapshots, ``Toggle``)."""
     n_blocks = (steps // (4 * BLOCK)) * 4
-    clock = Toggle(warmup)
+    clock = clock or Toggle(warmup)
     train_with(cfg, clock)
     out = {}
     for key in ("t", "cpu"):

@@ -88,16 +88,21 @@ def test_auto_resolves_from_precision_and_reduction(precision, reduction, line, 
 
 def test_fp16_activations_with_a_wide_reduction_name_the_cast_line():
     """fp16-mixed with an fp32 reduction: the norm is safe, the cast to fp16 at 65504 is the
-    line that matters; the INFO says so. ``off`` says nothing, even in the forecast."""
+    line that matters; the INFO says so. ``off`` and ``info`` say nothing of a forecast: no
+    16-bit reduction can overflow there (issue 11), so the forecast does not even run."""
     c = resolve_line(ActivationConfig(), "fp16-mixed", "fp32")
     mon = ActivationMonitor.from_config("activation", c)
     (e,) = mon.update(StepStats(step=1, loss=1.0, act_max={"h.0": 300.0}))
     assert e.kind == "info" and "65504" in e.message
-    off = ActivationMonitor(line="off", window=4, min_points=4, forecast_every=1)
-    evs = [
-        off.update(StepStats(step=s, loss=1.0, act_max={"h.0": 10.0 * 2**s})) for s in range(1, 9)
-    ]
-    assert evs == [[]] * 8 and off.forecast  # the forecast is still kept for the logs
+    for line in ("off", "info"):
+        quiet = ActivationMonitor(line=line, window=4, min_points=4)
+        evs = [
+            quiet.update(StepStats(step=s, loss=1.0, act_max={"h.0": 2.0**s})) for s in range(1, 8)
+        ]
+        assert not [e for es in evs for e in es if e.monitor == "forecast"] and not quiet.forecast
+    loud = ActivationMonitor(line="fp16_square", window=4, min_points=4)
+    evs = [loud.update(StepStats(step=s, loss=1.0, act_max={"h.0": 2.0**s})) for s in range(1, 8)]
+    assert [e.step for es in evs for e in es if e.monitor == "forecast"] == [4]  # 16 -> 256
 
 
 def test_bad_line_is_refused_with_the_allowed_values(tmp_path):

@@ -59,7 +59,7 @@ CASES = [
         ["fault.param='h.9.nope'", "'wte.weight'", "h.0.attn.c_attn.weight", "h.1"],
     ),
     (["fault=activation_drift", "fault.layer=5"], ["fault.layer=5", "0 .. 1"]),
-    (["fault.kind=bitflip"], ["fault.kind='bitflip'", "'nan_loss'"]),
+    (["fault.kind=cosmic_ray"], ["fault.kind='cosmic_ray'", "'nan_loss'"]),
     # item 8: the data and the model agree; the data files are usable
     (["model.vocab_size=100"], ["model.vocab_size=100", "'bytes' tokenizer", ">= 256"]),
     (["data=hub"], ["data.name='???'", "data.source='hub'", "a dataset name"]),
@@ -73,6 +73,7 @@ CASES = [
     (["resume={inputs}/notes.txt"], ["notes.txt", "not a checkpoint", "'auto'"]),
     (["resume={inputs}/tensor.ckpt"], ["tensor.ckpt", "not a checkpoint", "state_dict"]),
     (["resume={inputs}"], ["no such checkpoint file"]),
+    (["resume={inputs}/dcp.ckpt"], ["dcp.ckpt", "sharded (FSDP)", "trainer.strategy=fsdp"]),
     # choices and ranges
     (["norm.type=groupnorm"], ["norm.type='groupnorm'", "'rmsnorm'"]),
     (["precision.name=fp8"], ["precision.name='fp8'", "'bf16-mixed'"]),
@@ -101,6 +102,8 @@ def inputs(tmp_path):
     (d / "table.csv").write_text("text\nhello\n")
     (d / "notes.txt").write_text("not a checkpoint")
     torch.save(torch.zeros(3), d / "tensor.ckpt")
+    (d / "dcp.ckpt").mkdir()  # the shape of an FSDP checkpoint (lit/fsdp.py)
+    torch.save({"stabilize": {}}, d / "dcp.ckpt" / "meta.pt")
     return d
 
 

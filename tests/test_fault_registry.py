@@ -24,7 +24,15 @@ from stabilize.train import run
 
 from conftest import CONFIGS, compose_run
 
-BUILT_IN = ("none", "nan_loss", "inf_grad", "grad_spike", "activation_drift")
+BUILT_IN = (
+    "none",
+    "nan_loss",
+    "inf_grad",
+    "grad_spike",
+    "activation_drift",
+    "bitflip",
+    "poisoned_batch",
+)
 
 
 class ScaleLoss(PointFault):
@@ -113,5 +121,6 @@ def test_the_new_kind_fires_in_training_and_is_rolled_back(scale_loss, tmp_path)
     # one verdict, at the fault's step, by the gradient-norm spike monitor; then the restore
     assert [(e["monitor"], e["step"]) for e in rollbacks] == [("grad_spike", 9), ("rollback", 9)]
     restore = rollbacks[1]["extra"]
-    assert restore["restored_step"] <= 8 and restore["remedy"] == "skip_data"
+    # the replay is clean (the fault fired once): transient, retried
+    assert restore["restored_step"] <= 8 and restore["remedy"] == "retry"
     assert out["model_step"] == 14  # the transient fault did not fire again on the replay

@@ -217,7 +217,16 @@ def test_nonfinite_and_loss_scale():
 def test_suite_runs_enabled_monitors_and_round_trips_state():
     cfg = MonitorConfig(grad_spike={"window": 20, "warmup": 5}, loss_spike={"enabled": False})
     suite = MonitorSuite(cfg)
-    assert list(suite.monitors) == ["activation", "grad_spike", "nonfinite", "loss_scale"]
+    assert list(suite.monitors) == [
+        "activation",
+        "grad_spike",
+        "nonfinite",
+        "loss_scale",
+        "attn_logit",
+        "attn_entropy",
+        "log_z",
+        "replicas",
+    ]
     for s in range(10):
         suite.update(StepStats(s, 2.0, grad_norm=1.0 + 0.01 * s, act_max={"h.0": 300.0}))
     other = MonitorSuite(cfg)

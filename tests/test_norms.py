@@ -325,10 +325,9 @@ def test_cuda_reduction_knob_under_autocast(backend):  # pragma: no cover - GPU 
 
 
 def test_fp16_reduction_backward_overflows_for_small_activations_and_eps_guards_it():
-    """Measured while building the monitors: d rsqrt(ms)/d ms = -ms^-1.5 / 2 passes fp16's
-    65504 once ms < ~3.8e-4 (row RMS below ~0.02, typical at init), so the *backward* of an
-    fp16 reduction goes inf/NaN with a perfectly finite forward. A larger eps bounds ms from
-    below: eps = 1e-3 keeps ms^-1.5 <= 31623 (hand-computed)."""
+    """The *backward* of an fp16 reduction goes inf/NaN with a perfectly finite forward for
+    rows of small RMS (here 0.01, typical at init; the cut is measured in the next test). A
+    larger eps bounds ms from below: eps = 1e-3 keeps rsqrt(ms)^3 <= 31623 (hand-computed)."""
     torch.manual_seed(6)
     x = 0.01 * torch.randn(4, 64)
     results = {}
@@ -343,6 +342,72 @@ def test_fp16_reduction_backward_overflows_for_small_activations_and_eps_guards_
     assert results[("fp16", 1e-5)] == (True, False)  # finite forward, broken backward
     assert results[("fp16", 1e-3)] == (True, True)
     assert results[("fp32", 1e-5)] == (True, True)
+
+
+def test_fp16_backward_cut_is_where_rsqrt_cubed_overflows_in_fp16():
+    """Issue 11: the backward's cut is not where d rsqrt(ms)/d ms = -ms^-1.5 / 2 passes 65504
+    (RMS 0.0197; at RMS 0.03 that derivative is 1.85e4), but where autograd's rsqrt backward
+    forms result^3 *in fp16*: rsqrt(ms) rounded to fp16 >= 40.34375, whose cube is inf. With
+    eps 1e-5 that is RMS 0.02459 (0.0248 without eps). Rows swept across the cut, their RMS
+    read in float64; the prediction comes from fp16 arithmetic on a grid of r, not the norm."""
+    d, n = 64, 400
+    base = torch.randn(n, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    base /= base.square().mean(-1, keepdim=True).sqrt()  # every row RMS 1
+    x = (base * torch.linspace(0.020, 0.030, n, dtype=torch.float64)[:, None]).half()
+    rms = x.double().square().mean(-1).sqrt()
+    norm = build_norm(
+        d, NormConfig(type="rmsnorm", backend="explicit", reduction_dtype="fp16", eps=1e-5)
+    )
+    xh = x.clone().requires_grad_()
+    y = norm(xh)
+    y.float().backward(torch.randn(n, d, generator=torch.Generator().manual_seed(1)))
+    ok = torch.isfinite(xh.grad).all(-1)
+    assert torch.isfinite(y).all()  # the forward is fine on every row
+    worst_bad, best_ok = rms[~ok].max().item(), rms[ok].min().item()
+    assert worst_bad < best_ok  # one clean cut
+    r = torch.arange(38, 44, 1 / 32, dtype=torch.float64).half()  # fp16 values of rsqrt(ms)
+    cube_ok = torch.isfinite(r * r * r)
+    first_inf, last_ok = r[~cube_ok].min().item(), r[cube_ok].max().item()
+    assert (last_ok, first_inf) == (40.3125, 40.34375)
+    ms_cut = 1 / ((last_ok + first_inf) / 2) ** 2  # rsqrt(ms) rounds up to 40.34375 below it
+    predicted = math.sqrt(ms_cut - 1e-5)
+    assert worst_bad <= predicted <= best_ok
+    assert predicted == pytest.approx(0.02459, abs=5e-5)
+    assert math.sqrt(ms_cut) == pytest.approx(0.0248, abs=5e-5)  # the cut without eps
+    assert (2 * 65504) ** (-1 / 3) < 0.0197  # the old claim's cut: far below the real one
+
+
+@pytest.mark.parametrize("d, heads, broken", [(128, 4, True), (2048, 16, False)])
+def test_init_rows_bunch_up_above_the_backward_cut_at_full_width(d, heads, broken):
+    """Issue 11: "expect the full-scale baseline to stall at step 1" was wrong. The first
+    norm's input at init, wte[token] + wpe[position] (GPT-2 init, std 0.02 each), has a row
+    RMS near 0.028 whose spread shrinks as 1/sqrt(D): at D = 128 some rows fall below the
+    fp16 backward's cut (0.0246, previous test) and their gradient is inf/NaN; at D = 2048
+    none does (min ~0.0265 here), so the init-time failure need not happen at full width.
+    Every (byte, position) row is read, in float64 and through the real fp16 backward. The
+    upstream gradient is small (1e-2 per element): the product with a row's summed gradient
+    can still overflow under a large loss scale, which the GradScaler's ordinary back-offs
+    absorb (issue 11's D = 2048 baseline trained after 5 of them); rsqrt^3 is inf whatever
+    the scale."""
+    from stabilize.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(d_model=d, n_head=heads, n_layer=1, mlp_ratio=1, block_size=32))
+    with torch.no_grad():
+        x = (m.wte.weight[:, None, :] + m.wpe.weight[None, :, :]).reshape(-1, d)  # [256*32, D]
+    rms = x.double().square().mean(-1).sqrt()
+    norm = build_norm(
+        d, NormConfig(type="rmsnorm", backend="explicit", reduction_dtype="fp16", eps=1e-5)
+    )
+    xh = x.half().requires_grad_()
+    (norm(xh).float().sum() * 1e-2).backward()
+    bad = ~torch.isfinite(xh.grad).all(-1)
+    assert bad.any().item() is broken
+    assert (rms.min().item() < 0.0246) is broken
+    if broken:
+        assert rms[bad].max().item() < 0.0247  # exactly the rows below the cut
+    else:
+        assert 0.026 < rms.min().item() < 0.0275
 
 
 def test_headroom_math_matches_hand_values():

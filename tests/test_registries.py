@@ -115,11 +115,22 @@ def test_a_monitor_needing_a_statistic_nothing_measures_is_refused(loss_ceiling)
 def test_the_built_in_monitors_declare_what_they_read():
     suite = MonitorSuite(MonitorConfig())
     assert {k: set(m.needs) for k, m in suite.monitors.items()} == {
-        "activation": {"act_max", "norm_overflow", "norm_collapsed", "norm_nan_rows"},
+        "activation": {
+            "act_max",
+            "norm_overflow",
+            "norm_collapsed",
+            "norm_nan_rows",
+            "norm_rms_max",
+            "norm_dim",
+        },
         "grad_spike": {"grad_norm"},
         "loss_spike": {"loss"},
         "nonfinite": {"loss", "grad_norm", "loss_scale"},
         "loss_scale": {"loss_scale", "scaler_skipped"},
+        "attn_logit": {"attn_logit"},
+        "attn_entropy": {"attn_entropy"},
+        "log_z": {"log_z"},
+        "replicas": {"replicas"},
     }
 
 
@@ -221,6 +232,8 @@ def test_the_probe_measures_what_a_monitor_declares_on_every_step(tmp_path, decl
     register_monitor("attn_watch", LossCeilingConfig, AttnWatch)
     try:
         over = ["trainer.max_steps=6", "trainer.log_every_n_steps=4"]
+        # the built-in attn_logit monitor declares it too: off, so AttnWatch alone decides
+        over += ["monitor.attn_logit.enabled=false"]
         run(compose_run(tmp_path, [*BASE, *over]))
     finally:
         unregister_monitor("attn_watch")

@@ -4,8 +4,8 @@ whole chain of events, arms named by what differs, and sweep.sh's members.
 
 Two scenario arms are trained for real, shortened further than tests/test_scenario.py's
 (the drift crosses 256 at step 14, 24 steps): the baseline (rollback off, goes non-finite)
-and the remedy arm (three rollbacks at the drift's overflow, step 14, back to the snapshot at
-step 10; the ladder ends with the fp32 reduction).
+and the remedy arm (two rollbacks at the drift's overflow, step 14, back to the snapshot at
+step 10: lower_lr, then the fp32 reduction).
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def _legend_texts(fig) -> set[str]:
 def test_the_remedy_arm_rewinds_and_every_plot_counts_model_steps(runs, figs):
     base, remedy = runs
     rws = rewinds(remedy)
+    # the persistent drift replays the same overflow on the next batch: deterministic, so
+    # the ladder's numerics rungs (skip_data fits data-linked faults only; issue 15)
     assert [(rw.at, rw.to, rw.remedy) for rw in rws] == [
-        (CROSS, 10, "skip_data"),
         (CROSS, 10, "lower_lr"),
         (CROSS, 10, "fp32_reduction"),
     ]
@@ -108,7 +109,7 @@ def test_the_remedy_arm_rewinds_and_every_plot_counts_model_steps(runs, figs):
     assert first == CROSS
     # each dropped attempt is its own piece, from the restored step to where it was dropped
     dropped = [p for p in pieces(remedy, "train/loss") if p.abandoned]
-    assert [p.xs for p in dropped] == [list(range(10, CROSS + 1))] * 3
+    assert [p.xs for p in dropped] == [list(range(10, CROSS + 1))] * 2
     kept = pieces(remedy, "train/loss")[0]
     assert kept.xs == list(range(1, STEPS + 1))  # one point per model step, no stale batch
     assert None in model_steps(remedy).values()  # the stale batches' rows were set aside
@@ -160,7 +161,7 @@ def test_the_chain_keeps_every_rollback_and_says_rollback_off(runs):
     base, remedy = runs
     lines = chain(remedy)
     rolled = [x for x in lines if "**rollback**" in x]
-    assert [x.split("`")[1] for x in rolled] == ["skip_data", "lower_lr", "fp32_reduction"]
+    assert [x.split("`")[1] for x in rolled] == ["lower_lr", "fp32_reduction"]  # deterministic
     assert any("calls for a rollback** (overflow)" in x for x in lines)  # the drift's
     b = chain(base)
     assert any("**would roll back (rollback off)** (nonfinite)" in x for x in b)

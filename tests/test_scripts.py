@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from stabilize.norms import auto_backend
 
 from conftest import ROOT, run_cli
@@ -122,3 +124,12 @@ def test_toggle_estimators_recover_a_planted_cost():
     assert quads[1] < expect - 0.01  # the stall in an off block hides the cost there
     assert abs(sorted(quads)[2] - expect) < 0.002  # the median of four drops it
     assert abs(position_overhead(stamps, on, warmup, n_blocks) - expect) < 0.002
+
+
+@pytest.mark.slow  # one 42-step run
+def test_bench_logits_smoke(tmp_path):
+    script = str(ROOT / "scripts" / "bench_logits.py")
+    args = [sys.executable, script, "--configs", "tiny", "--steps", "40", "--warmup", "2"]
+    r = run_cli([*args, "--threads", "1"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| tiny | wall |" in r.stdout and "| tiny | CPU |" in r.stdout

@@ -64,33 +64,50 @@ def kinds(evs, kind):
 
 
 @pytest.mark.parametrize(
-    "fault, monitor",
+    "fault, monitor, cls, remedy",
     [
-        (["fault=nan_loss", "fault.step=7"], "nonfinite"),
-        (["fault=inf_grad", "fault.step=7", "fault.param=h.1.mlp.c_fc.weight"], "nonfinite"),
-        (["fault=grad_spike", "fault.step=11", "fault.factor=1e4"], "grad_spike"),
-        (drift_fault(cross_step=9), "overflow"),
+        # transient: the replay of the step is clean (the fault fired once)
+        (["fault=nan_loss", "fault.step=7"], "nonfinite", "transient", "retry"),
+        (
+            ["fault=inf_grad", "fault.step=7", "fault.param=h.1.mlp.c_fc.weight"],
+            "nonfinite",
+            "transient",
+            "retry",
+        ),
+        (
+            ["fault=grad_spike", "fault.step=11", "fault.factor=1e4"],
+            "grad_spike",
+            "transient",
+            "retry",
+        ),
+        # deterministic: the drift overflows the replay and the next batch alike
+        (drift_fault(cross_step=9), "overflow", "deterministic", "lower_lr"),
     ],
 )
-def test_each_fault_is_detected_rolled_back_and_training_goes_on(fault, monitor, tmp_path):
+def test_each_fault_is_detected_classified_rolled_back_and_training_goes_on(
+    fault, monitor, cls, remedy, tmp_path
+):
     out = run(compose_run(tmp_path, [*BASE, *fault]))
     step = int(fault[1].split("=")[1])
     evs = events(tmp_path)
     rb = kinds(evs, "rollback")
     # the verdicts (one per overflowed norm for the drift), all of this step and monitor
-    assert {
-        (e["monitor"], e["step"]) for e in kinds(evs, "rollback") if e["monitor"] != "rollback"
-    } == {(monitor, step)}
+    verdicts = [e for e in rb if e["monitor"] != "rollback"]
+    assert {(e["monitor"], e["step"]) for e in verdicts} == {(monitor, step)}
+    assert verdicts[0]["extra"]["class"] == cls  # the first verdict is the one acted on
     (done,) = [e for e in rb if e["monitor"] == "rollback"]
-    assert done["extra"]["restored_step"] <= step - 1 and done["extra"]["remedy"] == "skip_data"
+    assert done["extra"]["restored_step"] <= step - 1 and done["extra"]["remedy"] == remedy
+    assert done["extra"]["class"] == cls
+    if cls == "transient":  # the one process is the one to blame, and it is counted
+        assert verdicts[0]["extra"]["ranks"] == [0]
+        assert done["extra"]["transients_per_rank"] == {"0": 1}
     assert out["model_step"] == 14  # the model's budget, not Lightning's global_step
     assert out["global_step"] > 14  # the replayed steps count for Lightning
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["stabilize"]["model_step"] == 14
-    assert ckpt["stabilize"]["remedies"] == ["skip_data"]
+    assert ckpt["stabilize"]["remedies"] == [remedy]
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
-    # the data position moved past the skipped batches
-    assert ckpt["stabilize"]["data_step"] == 14 + 20
+    assert ckpt["stabilize"]["data_step"] == 14  # no batch skipped
 
 
 def test_rollback_with_retry_replays_bit_identically(tmp_path):
@@ -112,22 +129,31 @@ def test_rollback_with_retry_replays_bit_identically(tmp_path):
     assert list(la.values())[-3:] == list(lb.values())[-3:]
 
 
-def test_persistent_fault_exhausts_the_ladder_and_aborts_with_a_diagnosis(tmp_path):
+def test_persistent_fault_is_deterministic_exhausts_the_numerics_and_aborts(tmp_path):
+    """A fault that recurs on the replay and on the next batch: deterministic. Its remedies
+    are the ladder's numerics rungs (not retry, not skip_batch); each replay localizes it
+    in the backward: the gradient of h.1.mlp.c_fc's weight went inf while the gradient
+    reaching the module was finite."""
     t0 = time.time()
+    inf_grad = ["fault=inf_grad", "fault.param=h.1.mlp.c_fc.weight"]
     with pytest.raises(StabilityAbort) as e:
-        run(
-            compose_run(
-                tmp_path, [*BASE, "fault=nan_loss", "fault.step=5", "fault.persistent=true"]
-            )
-        )
+        run(compose_run(tmp_path, [*BASE, *inf_grad, "fault.step=5", "fault.persistent=true"]))
     assert time.time() - t0 < 120
     d = e.value.diagnosis
     assert "ladder" in d["reason"] and d["monitor"] == "nonfinite" and d["step"] == 5
-    assert d["remedies"] == ["skip_data", "lower_lr", "fp32_reduction"]
+    assert d["remedies"] == ["lower_lr", "fp32_reduction"]
     assert [h["remedy"] for h in d["rollbacks"]] == d["remedies"]
+    assert {h["class"] for h in d["rollbacks"]} == {"deterministic"}
     saved = json.loads((tmp_path / "diagnosis.json").read_text())
     assert saved["reason"] == d["reason"]
     assert kinds(events(tmp_path), "abort")
+    verdicts = [e for e in kinds(events(tmp_path), "rollback") if e["monitor"] == "nonfinite"]
+    assert len(verdicts) == 3
+    for v in verdicts:
+        (loc,) = v["extra"]["localization"]
+        assert loc["grad_module"] == "h.1.mlp.c_fc" and loc["grad_incoming_finite"] is True
+        assert loc["module"] is None  # the forward was finite
+        assert v["extra"]["other_batches"]["positions"] == [5]  # the next batch failed too
 
 
 def test_cli_exits_3_on_abort(tmp_path):
@@ -162,7 +188,7 @@ def test_activation_drift_reaches_its_target_on_time_and_is_warned_before(tmp_pa
                 "rollback=off",
                 "monitor.activation.horizon=15",
                 "monitor.activation.window=8",
-                "monitor.activation.forecast_min=4",
+                "monitor.activation.line=fp16_square",  # fp32: the forecast runs when asked
             ],
         )
     )
@@ -246,16 +272,41 @@ def test_sigkill_during_durable_snapshots_leaves_them_loadable(tmp_path):
         assert all(torch.isfinite(v).all() for v in s.state["model"].values())
 
 
+BITFLIP = ["fault=bitflip", "fault.param=h.1.mlp.c_fc.weight"]
+
+
 @pytest.mark.parametrize(
-    "fault, monitor",
+    "fault, monitor, step, cls, blamed",
     [
-        (["fault=nan_loss", "fault.step=6"], "nonfinite"),
-        (["fault=inf_grad", "fault.step=6", "fault.param=h.0.attn.c_attn.weight"], "nonfinite"),
-        (["fault=grad_spike", "fault.step=10", "fault.factor=1e4"], "grad_spike"),
-        (drift_fault(cross_step=8), "overflow"),
+        # transient: rank 1's loss alone differs between the step and its replay
+        (["fault=nan_loss", "fault.step=6"], "nonfinite", 6, "transient", [1]),
+        # data-linked: data position 5 (step 6) fails on its replay, position 6 does not
+        (["fault=poisoned_batch", "fault.batch=5"], "nonfinite", 6, "data", None),
+        # an exponent bit of rank 1's reduced gradient (1e-3 -> 2^118: its square overflows
+        # rank 1's grad norm), rank 1's alone
+        (
+            [*BITFLIP, "fault.flip=grad", "fault.bit=30", "fault.step=10"],
+            "nonfinite",
+            10,
+            "transient",
+            [1],
+        ),
+        # a mantissa bit of rank 1's weight: silent but for the replica check (every 4
+        # steps: the flip at step 5 is named at step 8, within N)
+        (
+            [*BITFLIP, "fault.bit=20", "fault.step=5", "monitor.replicas.every=4"],
+            "replicas",
+            8,
+            "transient",
+            [1],
+        ),
+        (drift_fault(cross_step=8), "overflow", 8, "deterministic", None),
     ],
+    ids=["nan_loss", "poisoned_batch", "bitflip-grad", "bitflip-param", "drift"],
 )
-def test_torchrun_fault_on_rank_1_rolls_back_every_rank(fault, monitor, tmp_path):
+def test_torchrun_fault_on_rank_1_is_classified_and_rolls_back_every_rank(
+    fault, monitor, step, cls, blamed, tmp_path
+):
     run_dir = tmp_path / "run"
     args = [a for a in BASE if not a.startswith("trainer.progress")]
     r = run_cli(
@@ -274,11 +325,17 @@ def test_torchrun_fault_on_rank_1_rolls_back_every_rank(fault, monitor, tmp_path
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     evs = events(run_dir)
-    step = int(fault[1].split("=")[1])
-    # the verdicts (one per overflowed norm for the drift), all of this step and monitor
-    assert {
-        (e["monitor"], e["step"]) for e in kinds(evs, "rollback") if e["monitor"] != "rollback"
-    } == {(monitor, step)}
+    # the verdicts (one per overflowed norm for the drift), all of this step and monitor;
+    # every 10 steps (step 10 here) the replicas were checked and agreed otherwise
+    verdicts = [e for e in kinds(evs, "rollback") if e["monitor"] != "rollback"]
+    assert {(e["monitor"], e["step"]) for e in verdicts} == {(monitor, step)}
+    assert verdicts[0]["extra"]["class"] == cls
+    if blamed is not None:
+        assert verdicts[0]["extra"]["ranks"] == blamed
+    if cls == "data":
+        assert verdicts[0]["extra"]["batches"] == [5]
+        saved = json.loads((run_dir / "skipped_batches.json").read_text())["batches"]
+        assert [b["data_step"] for b in saved] == [5] and len(saved[0]["items"]) == 2
     assert len([e for e in kinds(evs, "rollback") if e["monitor"] == "rollback"]) == 1
     rep = json.loads((run_dir / "replicas.json").read_text())
     assert rep["identical"]  # rank 1's bad update was rolled back on every rank
@@ -359,12 +416,12 @@ def test_default_monitor_config_reaches_the_monitors(tmp_path):
     assert suite.monitors["grad_spike"].kind == "warn"  # clipping absorbs most spikes
     assert suite.monitors["loss_spike"].kind == "rollback"
     act = suite.monitors["activation"]
-    assert (act.forecast_min, act.forecast_every) == (8.0, 10)
+    assert (act.horizon, act.forecaster.window, act.forecaster.z) == (40, 8, 3.0)
     cfg2 = compose_run(
-        tmp_path, ["monitor.activation.forecast_every=3", "monitor.grad_spike.action=rollback"]
+        tmp_path, ["monitor.activation.forecast_z=2.5", "monitor.grad_spike.action=rollback"]
     )
     suite2 = MonitorSuite(cfg2.monitor)
-    assert suite2.monitors["activation"].forecast_every == 3
+    assert suite2.monitors["activation"].forecaster.z == 2.5
     assert suite2.monitors["grad_spike"].kind == "rollback"
 
 

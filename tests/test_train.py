@@ -184,14 +184,6 @@ def test_bad_values_fail_naming_key_value_and_allowed(override, message, tmp_pat
     assert message in str(e.value)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
-def test_fsdp_on_cpu_is_refused_with_the_alternatives(tmp_path):
-    with pytest.raises(
-        ValueError, match=r"trainer.strategy='fsdp' is not allowed .*\['auto', 'ddp'\]"
-    ):
-        run(compose_run(tmp_path, [*FAST, "trainer.strategy=fsdp", "logger=none"]))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")
 def test_fsdp_trains_on_gpu(tmp_path):  # pragma: no cover - GPU only

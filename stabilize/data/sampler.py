@@ -63,6 +63,7 @@ class StepSampler(Sampler[list[int]]):
         self.start_step, self.num_steps = start_step, num_steps
         self.position = start_step  # the next step to yield; seek() moves it
         self.tagged = tagged
+        self.skip: set[int] = set()  # steps never yielded (a data-linked fault's batches)
         self._perms: dict[int, torch.Tensor] = {}  # at most the two epochs a batch can span
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -72,9 +73,11 @@ class StepSampler(Sampler[list[int]]):
             self._perms[epoch] = epoch_permutation(self.n_items, self.seed, epoch)
         return self._perms[epoch]
 
-    def batch_for_step(self, step: int) -> list[int]:
+    def batch_for_step(self, step: int, rank: int | None = None) -> list[int]:
+        """The items of ``rank``'s batch (default: this sampler's rank) at ``step``."""
         check_int("step", step)
-        p = (step * self.world_size + self.rank) * self.batch_size
+        rank = self.rank if rank is None else rank
+        p = (step * self.world_size + rank) * self.batch_size
         end, out = p + self.batch_size, []
         while p < end:  # one slice per epoch the batch touches
             epoch, i = divmod(p, self.n_items)
@@ -93,6 +96,9 @@ class StepSampler(Sampler[list[int]]):
         # Tagged batches carry their step: a batch fetched ahead before a seek is stale, and
         # the consumer can tell (Lightning prefetches one batch).
         while self.num_steps is None or self.position < self.num_steps:
+            if self.position in self.skip:
+                self.position += 1
+                continue
             step = self.position
             self.position += 1
             batch = self.batch_for_step(step)

@@ -5,10 +5,11 @@ forward, rollback and checkpoint state), registered by name (``base.register_fau
 ``fault.kind`` (``FaultConfig``, the Hydra ``fault=`` group) picks one and
 ``FaultInjector`` drives it.
 
-Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike`` (``point.py``) and
-``activation_drift`` (``drift.py``). To add one: subclass ``PointFault`` (or ``Fault``),
-set ``kind``, override the hooks it needs, decorate it with ``@register_fault``, import
-its module below, and add ``configs/fault/<kind>.yaml``.
+Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike`` (``point.py``),
+``activation_drift`` (``drift.py``), ``bitflip`` and ``poisoned_batch`` (``silent.py``).
+To add one: subclass ``PointFault`` (or ``Fault``), set ``kind``, override the hooks it
+needs, decorate it with ``@register_fault``, import its module below, and add
+``configs/fault/<kind>.yaml``.
 """
 
 from stabilize.faults.base import (
@@ -25,11 +26,13 @@ from stabilize.faults.config import FaultConfig
 # isort: off
 from stabilize.faults.point import GradSpike, InfGrad, NanLoss, NoFault
 from stabilize.faults.drift import ActivationDrift
+from stabilize.faults.silent import BitFlip, PoisonedBatch
 from stabilize.faults.injector import FaultInjector
 # isort: on
 
 __all__ = [
     "ActivationDrift",
+    "BitFlip",
     "Fault",
     "FaultConfig",
     "FaultInjector",
@@ -38,6 +41,7 @@ __all__ = [
     "NanLoss",
     "NoFault",
     "PointFault",
+    "PoisonedBatch",
     "fault_class",
     "fault_kinds",
     "register_fault",

@@ -6,9 +6,11 @@ A fault is keyed on the model's own step (``fault.step``) and optionally on one 
 recurs after a rollback rewinds the model (a deterministic bug); a *transient* one fires
 once per run (a flipped bit, a bad host).
 
-The training module calls, per micro-batch: ``begin(step)`` before the forward,
-``on_loss(step, loss)`` on the loss, ``arm(step, model)`` before the backward and (through
-``FaultInjector.disarm``) removes what ``arm`` returned after it. ``attach(model)`` runs
+The training module calls, per micro-batch: ``begin(step, data_step)`` before the forward
+(``data_step``: the micro-batch's data position), ``on_loss(step, loss)`` on the loss,
+``arm(step, model)`` before the backward, and after it (through ``FaultInjector.disarm``)
+removes what ``arm`` returned and calls ``after_backward(step, model)``: the gradients are
+then all-reduced (DDP finishes its reduce inside the backward). ``attach(model)`` runs
 once, before the monitors' hooks, for faults that live in the forward. The stability
 callback snapshots ``snapshot_state()`` with every model snapshot, calls
 ``on_rollback(that state)`` when it restores one, and checkpoints ``state_dict()``.
@@ -53,6 +55,7 @@ class Fault:
         self.rank = rank
         self.fired: set[int] = set()  # wall-clock firings (transient faults fire once)
         self.step = 0  # the model step whose forward runs now (set by begin())
+        self.data_step = -1  # the data position of the micro-batch in flight (begin())
         self.disabled = False  # a transient fault that happened, then was rolled back
 
     @classmethod
@@ -68,9 +71,10 @@ class Fault:
         return False
 
     # ---- hooks --------------------------------------------------------------------------
-    def begin(self, step: int) -> None:
-        """The model step the next training forward belongs to (validation reuses it)."""
-        self.step = step
+    def begin(self, step: int, data_step: int = -1) -> None:
+        """The model step the next training forward belongs to (validation reuses it), and
+        the data position of its micro-batch (-1: unknown)."""
+        self.step, self.data_step = step, data_step
 
     def attach(self, model: nn.Module) -> None:
         """Once, before the monitors' hooks: install forward hooks (they run first)."""
@@ -88,6 +92,10 @@ class Fault:
         (corrupting after the reduce would only desynchronise rank r's replica).
         """
         return []
+
+    def after_backward(self, step: int, model: nn.Module) -> None:
+        """After the backward of ``step``'s micro-batch: the gradients are all-reduced, so a
+        change made here stays on this rank (a silent corruption of one replica)."""
 
     # ---- rollback and checkpoints ---------------------------------------------------------
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stabilize.faults.base import fault_class
-from stabilize.validate import ConfigError, check_positive
+from stabilize.validate import ConfigError, check_choice, check_positive, check_range
 
 
 @dataclass
@@ -42,6 +42,15 @@ class FaultConfig:
     """activation_drift: drift only the first k channels, an outlier feature (None: all)."""
     keep_growing: bool = False
     """activation_drift past the target: hold (False) or keep the rate (True)."""
+    batch: int | None = None
+    """poisoned_batch: the data position (micro-batch number, ``data_step``) whose batch
+    gives a non-finite loss every time it is trained on."""
+    bit: int = 20
+    """bitflip: the bit flipped in element 0 of ``param`` (0: the lowest mantissa bit of an
+    fp32; 23-30: the exponent, a huge or tiny value; 31: the sign)."""
+    flip: str = "param"
+    """bitflip: flip the parameter itself (silent: only the replica check sees it) or its
+    gradient (``grad``), after the all-reduce, on ``rank`` only."""
 
     def __post_init__(self):
         cls = fault_class(self.kind)  # an unknown kind fails with the registered ones
@@ -50,6 +59,11 @@ class FaultConfig:
         check_positive("fault.factor", self.factor)
         check_positive("fault.target", self.target)
         check_positive("fault.cross", self.cross)
+        if self.batch is not None:
+            check_range("fault.batch", self.batch, 0, float("inf"))
+        if isinstance(self.bit, bool) or not isinstance(self.bit, int) or not 0 <= self.bit < 32:
+            raise ConfigError(f"fault.bit={self.bit!r} is not allowed; allowed: an int in [0, 32)")
+        check_choice("fault.flip", self.flip, ("param", "grad"))
         if self.channels is not None:
             check_positive("fault.channels", self.channels, integer=True)
         # The upper bounds (max_steps, the world size) are checked where they are known:

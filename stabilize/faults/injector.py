@@ -72,9 +72,10 @@ class FaultInjector:
         """Does the point fault fire at this model step (on this rank)?"""
         return self.fault.fires(step)
 
-    def begin(self, step: int) -> None:
-        """The model step the next training forward belongs to (validation reuses it)."""
-        self.fault.begin(step)
+    def begin(self, step: int, data_step: int = -1) -> None:
+        """The model step the next training forward belongs to (validation reuses it), and
+        the data position of its micro-batch."""
+        self.fault.begin(step, data_step)
 
     def attach(self, model: nn.Module) -> None:
         self.fault.attach(model)
@@ -86,11 +87,14 @@ class FaultInjector:
         """Before the backward of ``step``: hook the gradients the fault corrupts."""
         self._armed.extend(self.fault.arm(step, model))
 
-    def disarm(self) -> None:
-        """After the backward: the hooks fire for one step only."""
+    def disarm(self, model: nn.Module | None = None) -> None:
+        """After the backward: the hooks fire for one step only; then the fault's
+        ``after_backward`` (the gradients are all-reduced by now)."""
         for h in self._armed:
             h.remove()
         self._armed = []
+        if model is not None:
+            self.fault.after_backward(self.fault.step, model)
 
     # ---- the drift's path (activation_drift only) ------------------------------------------
     def rate(self) -> float:

@@ -30,6 +30,7 @@ import lightning as L
 import torch
 
 from stabilize.lit.config import AuditConfig
+from stabilize.lit.fsdp import is_sharded
 from stabilize.norms import Norm, get_norm_type
 
 FLAT_TOLERANCE = 0.05  # |output norm / sqrt(D) - 1| above this: flattened
@@ -128,7 +129,9 @@ class NormAudit(L.Callback):
 
     def audit(self, trainer, pl_module) -> dict | None:
         self._last_step = pl_module.model_step
-        if not trainer.is_global_zero:
+        # rank 0 alone cannot run a sharded model's forward (each block all-gathers its
+        # parameters from every rank), nor call a norm whose gamma is a shard: not audited
+        if not trainer.is_global_zero or is_sharded(pl_module.model):
             return None
         per_norm = self.measure(trainer, pl_module)
         if not per_norm:  # no held-out batch (trainer.limit_val_batches=0): nothing measured

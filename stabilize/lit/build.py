@@ -15,6 +15,7 @@ from stabilize.lit.audit import NormAudit
 from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
 from stabilize.lit.config import LoggerConfig, PrecisionConfig, RunConfig, TrainerConfig
+from stabilize.lit.fsdp import fsdp_strategy
 from stabilize.lit.progress import PlainProgress, StepBar
 from stabilize.lit.stability import StabilityCallback
 
@@ -78,6 +79,8 @@ def device_args(cfg: TrainerConfig, env: LaunchEnv) -> dict:
     strategy = cfg.strategy
     if strategy == "auto":
         strategy = "ddp" if devices * num_nodes > 1 else "auto"
+    elif strategy == "fsdp":  # FSDP2, on CPU too (lit/fsdp.py)
+        strategy = fsdp_strategy(devices * num_nodes)
     return {"devices": devices, "num_nodes": num_nodes, "strategy": strategy}
 
 
@@ -127,12 +130,6 @@ def progress_callbacks(cfg: TrainerConfig) -> tuple[list[L.Callback], bool]:
 def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.Trainer:
     t = run.trainer
     accelerator = resolve_accelerator(t.accelerator)
-    if t.strategy == "fsdp" and accelerator != "cuda":
-        raise ValueError(
-            f"trainer.strategy='fsdp' is not allowed with trainer.accelerator={t.accelerator!r} "
-            f"(resolved: {accelerator}): Lightning's FSDP needs CUDA; allowed on CPU: "
-            f"['auto', 'ddp']"
-        )
     precision, plugins = precision_args(run.precision, accelerator)
     accum = run.optim.accumulate_grad_batches
     progress, bar = progress_callbacks(t)

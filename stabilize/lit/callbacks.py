@@ -12,6 +12,8 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 
+from stabilize.lit.fsdp import is_sharded
+
 
 def flops_per_token(model) -> float:
     """Training FLOPs per token: 6N for the matmuls plus 12 L T d for attention
@@ -66,6 +68,7 @@ def params_digest(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in sorted(module.named_parameters()):
         h.update(name.encode())
+        p = p.to_local() if hasattr(p, "to_local") else p  # FSDP2: this rank's shard
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -73,7 +76,8 @@ def params_digest(module: torch.nn.Module) -> str:
 class ReplicaCheck(L.Callback):
     """At the end of training every rank hashes its parameters; rank 0 writes
     ``replicas.json`` saying whether all replicas are bit-identical (DDP keeps them so;
-    a mismatch means a rank silently diverged). Not meaningful under FSDP (sharded)."""
+    a mismatch means a rank silently diverged). Under FSDP each rank hashes its own shard:
+    the shards differ, ``identical`` is null and ``sharded`` true."""
 
     def __init__(self, run_dir: str):
         self.path = Path(run_dir) / "replicas.json"
@@ -89,11 +93,13 @@ class ReplicaCheck(L.Callback):
             ranks = [None] * trainer.world_size
             torch.distributed.all_gather_object(ranks, mine)
         if trainer.is_global_zero:
+            sharded = is_sharded(pl_module.model)
             report = {
                 "global_step": trainer.global_step,
                 "world_size": trainer.world_size,
                 "ranks": ranks,
-                "identical": len({r["digest"] for r in ranks}) == 1,
+                "identical": None if sharded else len({r["digest"] for r in ranks}) == 1,
+                "sharded": sharded,
             }
             self.path.write_text(json.dumps(report, indent=2))
 

@@ -4,6 +4,7 @@ to resume from (verified, with a fallback when the newest is damaged or missing)
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,26 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from stabilize.io import DamagedFile, atomic_torch_save, verify
 
 LAST = "last.ckpt"
+
+
+def verify_checkpoint(path: str | os.PathLike) -> bool:
+    """A file: ``stabilize.io.verify`` (its checksum). A directory: a sharded (FSDP, DCP)
+    checkpoint, renamed into place once complete (lit/fsdp.py), so whole iff DCP's
+    ``.metadata`` and Lightning's ``meta.pt`` are in it."""
+    p = Path(path)
+    if p.is_dir():
+        missing = [n for n in (".metadata", "meta.pt") if not (p / n).is_file()]
+        if missing:
+            raise DamagedFile(f"{p} is not a whole sharded checkpoint (no {', '.join(missing)})")
+        return True
+    return verify(p)
+
+
+def remove_checkpoint(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -77,7 +98,7 @@ class PeriodicCheckpoint(Checkpoint):
             trainer.save_checkpoint(step_path(self.run_dir, step))
             if self.keep > 0 and trainer.is_global_zero:
                 for old in sorted(self.dirpath.glob("step-*.ckpt"))[: -self.keep]:
-                    old.unlink()
+                    remove_checkpoint(old)
 
     def on_train_end(self, trainer, pl_module):
         if self._saved != (pl_module.model_step, trainer.global_step):
@@ -102,7 +123,7 @@ def newest_intact(ckpt_dir: Path, say: Callable[[str], None] = warn) -> Path | N
     passed = [] if last.exists() else [f"{last} is missing"]
     for path in candidates:
         try:
-            checked = verify(path)
+            checked = verify_checkpoint(path)
         except (DamagedFile, OSError) as e:
             passed.append(str(e))
             continue
@@ -126,13 +147,13 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike) -> str | None:
     if resume == "auto":
         path = newest_intact(checkpoint_dir(run_dir))
         return None if path is None else str(path)
-    if not Path(resume).is_file():
+    if not Path(resume).exists():
         raise ValueError(
             f"resume={resume!r} is not allowed: no such checkpoint file; "
             f"allowed: 'none', 'auto', 'restart' or a path to a .ckpt file"
         )
     try:
-        checked = verify(resume)
+        checked = verify_checkpoint(resume)
     except DamagedFile as e:
         raise ValueError(f"resume={resume!r} is not allowed: {e}") from None
     if not checked:
@@ -144,6 +165,8 @@ def checkpoint_steps(path: str | os.PathLike) -> tuple[int, int]:
     """(model step, Lightning global step) stored in a checkpoint, without reading its
     tensors (memory-mapped). ``ValueError`` naming the file when it is not one of ours."""
     try:
+        if Path(path).is_dir():  # sharded (DCP): the non-tensor part is meta.pt
+            path = Path(path) / "meta.pt"
         ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
         return int(ckpt["stabilize"]["model_step"]), int(ckpt.get("global_step", 0))
     except Exception as e:

@@ -25,14 +25,15 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from stabilize.data import bits_per_byte, build_dataloaders
 from stabilize.lit.config import OptimConfig, RunConfig
+from stabilize.lit.fsdp import full_norm, shard_model
+from stabilize.lit.saved_state import restore_state, saved_state
 from stabilize.model import GPT, set_activation_checkpointing
+from stabilize.model.logits import lm_loss
 from stabilize.norms import Norm
-from stabilize.rollback import reapply_remedies
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -97,6 +98,10 @@ class GPTLitModule(L.LightningModule):
         self.injector = None
         self.lr_scale = 1.0
         self.remedies: list[str] = []
+        # data positions never trained on (a data-linked fault's batches, skip_batch): the
+        # sampler steps over them, and the position counter with it
+        self.skipped: set[int] = set()
+        self.fault_batches: list[int] = []  # set by the rollback for a skip_batch remedy
 
     def configure_model(self) -> None:
         if self.cfg.trainer.activation_checkpointing:  # before compile: traced with it
@@ -106,6 +111,10 @@ class GPTLitModule(L.LightningModule):
         if self.cfg.trainer.compile and not getattr(self, "_compiled", False):
             self.model.compile()
             self._compiled = True
+        mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy (lit/fsdp.py)
+        if mesh is not None and not getattr(self, "_sharded", False):
+            shard_model(self.model, mesh["data_parallel"])
+            self._sharded = True
 
     # ---- data ---------------------------------------------------------------------------
     def _loaders(self):
@@ -123,6 +132,7 @@ class GPTLitModule(L.LightningModule):
             val_batches=self.cfg.trainer.limit_val_batches,
             tagged=True,
         )
+        loaders[0].batch_sampler.skip = self.skipped  # the same set: later skips apply too
         self._loader_cache = (self.data_step, loaders)
         return loaders
 
@@ -131,7 +141,23 @@ class GPTLitModule(L.LightningModule):
 
     def seek_data(self, data_step: int) -> None:
         """Make the train loader continue from ``data_step`` (after a rollback or skip)."""
-        self._loader_cache[1][0].batch_sampler.seek(data_step)
+        self.data_step = self.next_position(data_step)
+        self._loader_cache[1][0].batch_sampler.seek(self.data_step)
+
+    def next_position(self, data_step: int) -> int:
+        """The first data position at or after ``data_step`` that is not skipped."""
+        while data_step in self.skipped:
+            data_step += 1
+        return data_step
+
+    def batch_at(self, data_step: int):
+        """This rank's (x, y) micro-batch at data position ``data_step``, on the device (a
+        replay's other batch: the order is a pure function of the position)."""
+        loader = self._loader_cache[1][0]  # the trainer's (a rebuild would leave it behind)
+        sampler = loader.batch_sampler  # tagged items: (step, index)
+        items = [loader.dataset[(data_step, i)] for i in sampler.batch_for_step(data_step)]
+        x, y, _ = loader.collate_fn(items)
+        return x.to(self.device), y.to(self.device)
 
     def val_dataloader(self):
         return self._loaders()[1]
@@ -151,11 +177,13 @@ class GPTLitModule(L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
-    def loss(self, batch) -> torch.Tensor:
+    def loss(self, batch, z_loss: bool = True) -> torch.Tensor:
+        """Cross-entropy in fp32 whatever the activation dtype, plus the model's z-loss
+        (``model.z_loss``, or switched on by the z_loss remedy) unless ``z_loss=False``
+        (validation: the held-out loss is the cross-entropy alone)."""
         x, y = batch  # [B, T] each
         logits = self.model(x)  # [B, T, V]
-        # cross-entropy in fp32 whatever the activation dtype
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return lm_loss(logits, y, self.model.z_loss if z_loss else 0.0)
 
     @property
     def window_start(self) -> bool:
@@ -196,8 +224,12 @@ class GPTLitModule(L.LightningModule):
         # RNG state to save (creating a DataLoader iterator after a restore draws from the
         # global generator, which would otherwise shift every later mask). Only the
         # generators in use are seeded: torch.manual_seed also walks every other backend.
+        self.seed_dropout(self.data_step)
+
+    def seed_dropout(self, data_step: int) -> None:
+        """Dropout's generators from (seed, data position, rank) (a replay re-seeds too)."""
         if self.cfg.model.dropout > 0:
-            seed = step_seed(self.cfg.seed, self.data_step, self.global_rank)
+            seed = step_seed(self.cfg.seed, data_step, self.global_rank)
             torch.default_generator.manual_seed(seed)
             if self.device.type == "cuda":
                 torch.cuda.manual_seed(seed)
@@ -209,7 +241,7 @@ class GPTLitModule(L.LightningModule):
             # optimizer_step applies nothing.
             return self.loss(batch) * 0.0
         if self.injector is not None:
-            self.injector.begin(self.model_step + 1)
+            self.injector.begin(self.model_step + 1, self.data_step)
         loss = self.loss(batch)
         if self.injector is not None:
             loss = self.injector.on_loss(self.model_step + 1, loss)
@@ -217,7 +249,7 @@ class GPTLitModule(L.LightningModule):
         if self.micro == 0:
             self.step_loss = None  # the first micro-batch of an optimizer step
         self.micro += 1
-        self.data_step += 1
+        self.data_step = self.next_position(self.data_step + 1)
         self._batches_seen += 1
         self._loss = loss.detach()
         self.step_loss = self._loss if self.step_loss is None else self.step_loss + self._loss
@@ -225,7 +257,7 @@ class GPTLitModule(L.LightningModule):
 
     def on_after_backward(self):
         if self.injector is not None:
-            self.injector.disarm()
+            self.injector.disarm(self.model)  # then the fault's after_backward (reduced grads)
 
     def apply_lr(self) -> None:
         """Set every group's LR from the model's step and the remedies' scale: the one place
@@ -243,7 +275,7 @@ class GPTLitModule(L.LightningModule):
         self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
 
     def validation_step(self, batch, batch_idx):
-        loss = self.loss(batch)
+        loss = self.loss(batch, z_loss=False)
         self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         # Bits per byte for any tokenizer: nats summed over the targets, over the UTF-8 bytes
         # of text behind them (issue 14), both summed over batches and ranks before dividing.
@@ -288,7 +320,7 @@ class GPTLitModule(L.LightningModule):
         else:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             self.grad_norm = (
-                torch.nn.utils.get_total_norm(grads, foreach=True)
+                full_norm(torch.nn.utils.get_total_norm(grads, foreach=True))  # FSDP2: DTensor
                 if grads
                 else torch.zeros((), device=self.device)
             )
@@ -353,19 +385,7 @@ class GPTLitModule(L.LightningModule):
 
     # ---- checkpoints ----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["stabilize"] = {
-            "model_step": self.model_step,
-            "data_step": self.data_step,
-            "lr_scale": self.lr_scale,
-            "remedies": list(self.remedies),
-            "config": self.cfg.to_dict(),
-        }
+        checkpoint["stabilize"] = saved_state(self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint["stabilize"]
-        self.model_step = state["model_step"]
-        self.data_step = state["data_step"]
-        self.lr_scale = state.get("lr_scale", 1.0)
-        self.remedies = list(state.get("remedies", []))
-        # what the state dict does not hold (fp32_reduction's norm switch): re-applied
-        reapply_remedies(self, self.remedies)
+        restore_state(self, checkpoint["stabilize"])

@@ -83,7 +83,7 @@ def preflight(cfg: RunConfig) -> None:
         model = GPT(cfg.model)
     check_fault_param(cfg, [name for name, _ in model.named_parameters()])
     check_data(cfg, world)
-    check_resume(cfg.resume)
+    check_resume(cfg.resume, cfg.trainer.strategy)
 
 
 def check_fault_rank(cfg: RunConfig, world: int) -> None:
@@ -144,12 +144,21 @@ def _quiet_datasets() -> Iterator[None]:
             ds_logging.enable_progress_bar()
 
 
-def check_resume(resume: str) -> None:
+def check_resume(resume: str, strategy: str = "auto") -> None:
     """``resume=PATH`` names a file that is a checkpoint: a torch zip archive holding a
-    Lightning checkpoint (loaded memory-mapped: the tensors are not read)."""
+    Lightning checkpoint (loaded memory-mapped: the tensors are not read); or, under
+    ``trainer.strategy=fsdp``, a sharded checkpoint directory (DCP, lit/fsdp.py)."""
     if resume in ("none", "auto", "restart"):  # modes, not paths (lit/checkpoint.py)
         return
     path = Path(resume)
+    if path.is_dir() and (path / "meta.pt").is_file():  # sharded (FSDP): a DCP directory
+        if strategy == "fsdp":
+            return
+        raise ConfigError(
+            f"resume={resume!r} is not allowed with trainer.strategy={strategy!r}: it is a "
+            f"sharded (FSDP) checkpoint directory; allowed: trainer.strategy=fsdp (any "
+            f"number of ranks) to resume from it"
+        )
     if not path.is_file():
         raise ConfigError(
             f"resume={resume!r} is not allowed: no such checkpoint file; {RESUME_ALLOWED}"

@@ -8,11 +8,17 @@ Series, in a fixed order (so every rank stacks the same vector):
   for the explicit backend, the one whose reduction can overflow; the norm hands its input
   and statistic to ``record_norm`` from its own forward);
 - ``h.{i}.attn``: an upper bound on the attention logit, max|q| max|k| / sqrt(d_head)
-  (Cauchy-Schwarz; the exact max would cost a second attention), on detailed steps only.
+  (Cauchy-Schwarz; the exact max would cost a second attention), on detailed steps only;
+- ``h.{i}.attn``, on logged steps: the lowest head entropy, from one sequence's attention
+  probabilities at strided query rows (param_stats.lowest_head_entropy);
+- the output logits' log Z (max, and sum + token count for the mean), every step;
+- per block ``h.{i}`` (and ``other``: embeddings, final norm), on logged steps: the gradient
+  norm and the update/weight ratio of the coming optimizer step (``record_params``).
 
 Everything lands in one preallocated fp32 device buffer, laid out as
-``[lead | block max | attn bound | norm |x| max | norm RMS max | overflow rows | collapsed
-rows | NaN rows]``, where ``lead`` slots are the caller's (the stability callback writes the step's
+``[lead | block max | attn bound | norm |x| max | norm RMS max | -entropy | log Z max |
+grad norm | update ratio | overflow rows | collapsed rows | NaN rows | log Z sum, count]``,
+where ``lead`` slots are the caller's (the stability callback writes the step's
 loss, grad norm, loss scale and found-inf flag there: the whole step is then one vector):
 maxima fold in with max (NaN wins), counts with +, across the micro-batches of one optimizer
 step; ``reset()`` starts the next step. On CPU the |x| max is one pass of a C++ kernel
@@ -27,6 +33,13 @@ import torch
 from torch import nn
 
 from stabilize.cpu_kernels import absmax_into
+from stabilize.lit.param_stats import (
+    block_grad_update_norms,
+    lowest_head_entropy,
+    param_groups_by_block,
+    sampled_queries,
+)
+from stabilize.model.logits import log_z
 from stabilize.norms import Norm, get_norm_type
 
 
@@ -44,17 +57,31 @@ class StabilityProbe:
         self.norms = [n for n, m in model.named_modules() if isinstance(m, Norm)]
         self.attn = [f"h.{i}.attn" for i in range(len(model.h))]
         nb, na, nn_ = len(self.blocks), len(self.attn), len(self.norms)
+        # the per-block parameter groups of the gradient / update norms (param_stats.py)
+        self.param_groups, self._param_index = param_groups_by_block(model, len(model.h))
+        ng = len(self.param_groups)
         o = lead
-        self._o_block, self._o_attn, self._o_norm = o, o + nb, o + nb + na
-        self._o_rms, self._o_over, self._o_dead, self._o_nan = (
-            o + nb + na + k * nn_ for k in (1, 2, 3, 4)
-        )
-        self.n_maxima = nb + na + 2 * nn_
+        self._o_block, self._o_attn = o, o + nb
+        self._o_norm, self._o_rms = o + nb + na, o + nb + na + nn_
+        o += nb + na + 2 * nn_
+        # issue 15: minus each block's lowest head entropy (a max slot: max folds to the
+        # minimum), the output log Z max, per-group gradient norm and update/weight ratio
+        self._o_ent, self._o_lz, self._o_gn, self._o_upd = o, o + na, o + na + 1, o + na + 1 + ng
+        o += na + 1 + 2 * ng
+        self.n_maxima = o - lead
+        self._o_over, self._o_dead, self._o_nan = (o + k * nn_ for k in (0, 1, 2))
+        self._o_lzsum = o + 3 * nn_  # log Z summed over tokens, and the token count (summed)
+        self._param_idx: torch.Tensor | None = None  # _param_index on the buffer's device
+        self.logged = False  # entropy and parameter statistics on this step (reset)
+        self._qs: list[torch.Tensor | None] = [None] * na  # one sequence's sampled queries
         self.buf: torch.Tensor | None = None  # allocated on the model's device by reset()
         self._fresh: torch.Tensor | None = None  # what reset() copies in
         self._q: list[torch.Tensor | None] = [None] * na
         self._handles: list = []
         self._attn_handles: list = []  # only on detailed steps (see reset)
+        self._lz_handle = None  # the final logits' log Z, every step (reset puts it on)
+        self.measure_log_z = True  # off: no log Z hook (scripts/bench_logits.py toggles it)
+        self.detailed = False
         # Pre-norm and sandwich: block i's output is exactly the input of the next norm
         # (h.{i+1}.ln_1, or ln_f after the last block), which the norm already measures;
         # reading the same tensor twice would only cost another pass.
@@ -78,17 +105,23 @@ class StabilityProbe:
     @property
     def size(self) -> int:
         """Slots in the buffer, the caller's lead included."""
-        return self.lead + self.n_maxima + len(self.COUNTS) * len(self.norms)
+        return self.lead + self.n_maxima + len(self.COUNTS) * len(self.norms) + 2
 
     def _allocate(self, device) -> None:
         self.buf = torch.zeros(self.size, device=device)
         self._fresh = torch.zeros(self.size, device=device)
         # RMS -1: not measured (the fused and torch backends reduce in fp32 and report none)
-        self._fresh[self._o_rms : self._o_over] = -1.0
+        self._fresh[self._o_rms : self._o_ent] = -1.0
+        # not measured: entropy and log Z max -inf, the parameter norms -1 (unpack drops them)
+        self._fresh[self._o_ent : self._o_gn] = -math.inf
+        self._fresh[self._o_gn : self._o_over] = -1.0
 
-    def reset(self, detailed: bool = True, device=None) -> None:
+    def reset(self, detailed: bool = True, device=None, logged: bool | None = None) -> None:
         """Start a step: zero the statistics; ``detailed`` also measures the attention
-        bound (two passes over q and k: the callback asks for it on logged steps only)."""
+        bound (two passes over q and k: the callback asks for it on logged steps only);
+        ``logged`` (default: ``detailed``) the lowest head entropy and, at the optimizer
+        step, the per-block gradient norms and update ratios (``record_params``)."""
+        self.detailed, self.logged = detailed, detailed if logged is None else logged
         dev = torch.device(device) if device is not None else next(self.model.parameters()).device
         have = self.buf.device if self.buf is not None else None
         # "cuda" (no index) names the current device: only a different type or index moves
@@ -96,11 +129,14 @@ class StabilityProbe:
             self._allocate(dev)
         self.buf.copy_(self._fresh)
         self._q = [None] * len(self.attn)
-        if detailed and not self._attn_handles:
+        self._qs = [None] * len(self.attn)
+        if self.measure_log_z and self._lz_handle is None:
+            self._lz_handle = self.model.logit_softcap.register_forward_hook(self._logit_hook)
+        if (detailed or self.logged) and not self._attn_handles:
             for i, block in enumerate(self.model.h):
                 self._attn_handles.append(block.attn.q_norm.register_forward_hook(self._q_hook(i)))
                 self._attn_handles.append(block.attn.k_norm.register_forward_hook(self._k_hook(i)))
-        elif not detailed and self._attn_handles:
+        elif not (detailed or self.logged) and self._attn_handles:
             self._remove(self._attn_handles)
 
     # ---- writers (training forwards only) ---------------------------------------------------
@@ -115,20 +151,57 @@ class StabilityProbe:
         def hook(module, args, out):  # out: [B, H, T, hd]
             if module.training:
                 with torch.no_grad():
-                    self._q[i] = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))
+                    if self.detailed:
+                        self._q[i] = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))
+                    if self.logged:
+                        self._qs[i] = sampled_queries(out)
 
         return hook
 
     def _k_hook(self, i):
         def hook(module, args, out):
-            if module.training and self._q[i] is not None and self.buf is not None:
-                with torch.no_grad():
+            if not module.training or self.buf is None:
+                return
+            with torch.no_grad():
+                if self._q[i] is not None:
                     kn = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))  # [H]
                     v = (self._q[i] * kn).amax() / math.sqrt(out.shape[-1])
                     k = self._o_attn + i
                     self.buf[k] = torch.maximum(self.buf[k], v)
+                if self._qs[i] is not None:
+                    k = self._o_ent + i
+                    self.buf[k] = torch.maximum(
+                        self.buf[k], -lowest_head_entropy(*self._qs[i], out)
+                    )
 
         return hook
+
+    def _logit_hook(self, module, args, out):  # out: [B, T, V], the logits the loss reads
+        if module.training and self.buf is not None:
+            with torch.no_grad():
+                lz = log_z(out)  # [B, T]
+                b, k = self.buf, self._o_lzsum
+                b[self._o_lz] = torch.maximum(b[self._o_lz], lz.amax())
+                b[k] += lz.sum()
+                b[k + 1] += lz.numel()
+
+    def record_params(self, optimizer, grad_norm: torch.Tensor, max_norm: float) -> None:
+        """On a logged step's optimizer step (gradients final and unscaled, nothing applied):
+        each block's gradient norm and the update/weight ratio the optimizer is about to
+        apply (param_stats.py), into their slots; no host sync."""
+        if not self.logged or self.buf is None:
+            return
+        if self._param_idx is None or self._param_idx.device != self.buf.device:
+            self._param_idx = torch.tensor(self._param_index, device=self.buf.device)
+        got = block_grad_update_norms(
+            self.param_groups, self._param_idx, optimizer, grad_norm, max_norm
+        )
+        if got is None:  # sharded gradients: not measured here
+            return
+        grad, ratio = got
+        ng = len(self.param_groups)
+        self.buf[self._o_gn : self._o_gn + ng] = grad
+        self.buf[self._o_upd : self._o_upd + ng] = ratio
 
     def record_norm(self, j: int, x: torch.Tensor, ms: torch.Tensor | None, kind: str) -> None:
         """Called by norm j's training forward with its input and, for the explicit backend,
@@ -188,9 +261,14 @@ class StabilityProbe:
         return self.buf[self.lead : end], self.buf[end:]
 
     def unpack(self, maxima: list[float], counts: list[float]) -> dict[str, dict[str, float]]:
-        """Host lists -> named dicts for StepStats."""
+        """Host lists -> named dicts for StepStats (a series not measured this step is
+        left out: an empty dict)."""
         nb, na, nn_ = len(self.blocks), len(self.attn), len(self.norms)
-        norm_max = maxima[nb + na : nb + na + nn_]
+        at = {
+            k: getattr(self, f"_o_{k}") - self.lead
+            for k in ("norm", "rms", "ent", "lz", "gn", "upd")
+        }
+        norm_max = maxima[at["norm"] : at["rms"]]
         blocks = maxima[:nb]
         for i, name in enumerate(self.blocks):
             if name in self._alias:  # measured by the next norm (its input |x| max)
@@ -201,10 +279,19 @@ class StabilityProbe:
         }
         out["act_max"].update(zip(self.norms, norm_max, strict=True))
         out["norm_rms_max"] = {
-            k: v for k, v in zip(self.norms, maxima[nb + na + nn_ :], strict=True) if v >= 0
+            k: v for k, v in zip(self.norms, maxima[at["rms"] : at["ent"]], strict=True) if v >= 0
         }
         for k, field in enumerate(self.COUNTS):
             out[field] = dict(zip(self.norms, counts[k * nn_ : (k + 1) * nn_], strict=True))
+        ent = maxima[at["ent"] : at["lz"]]
+        out["attn_entropy"] = {k: -v for k, v in zip(self.attn, ent, strict=True) if v != -math.inf}
+        lz_max, (lz_sum, n) = maxima[at["lz"]], counts[3 * nn_ :]
+        out["log_z"] = {"mean": lz_sum / n, "max": lz_max} if n > 0 else {}
+        groups = list(self.param_groups)
+        for field, o in (("layer_grad_norm", "gn"), ("update_ratio", "upd")):
+            vals = maxima[at[o] : at[o] + len(groups)]
+            out[field] = {g: v for g, v in zip(groups, vals, strict=True) if not v < 0}
+        out["norm_dim"] = self.dims  # constant: the RMS line 255.94 / sqrt(D) needs D
         return out
 
     @staticmethod
@@ -217,6 +304,9 @@ class StabilityProbe:
         """Detach from the model: hooks removed, the norms stop reporting."""
         self._remove(self._handles)
         self._remove(self._attn_handles)
+        if self._lz_handle is not None:
+            self._lz_handle.remove()
+            self._lz_handle = None
         for m in self._norm_modules:
             if m.stats_sink is self:
                 m.stats_sink, m.stats_index = None, -1

@@ -27,6 +27,7 @@ RUN_FILES = (
     "events.jsonl",
     "diagnosis.json",
     "replicas.json",
+    "skipped_batches.json",
     "audit.jsonl",
     "final_eval.json",
     "checkpoints",

@@ -45,6 +45,8 @@ class GPTConfig:
     bias: bool = True
     activation: str = "gelu_tanh"
     init_std: float = 0.02
+    z_loss: float = 0.0  # PaLM's auxiliary loss coefficient * mean(log Z^2); 0: off
+    logit_softcap: float = 0.0  # Gemma 2: logits -> cap * tanh(logits / cap); 0: off
     norm: NormConfig = field(default_factory=NormConfig)
 
     def __post_init__(self) -> None:
@@ -60,6 +62,8 @@ class GPTConfig:
             )
         check_range("model.dropout", self.dropout, 0.0, 1.0)
         check_positive("model.init_std", self.init_std)
+        check_range("model.z_loss", self.z_loss, 0.0, float("inf"))
+        check_range("model.logit_softcap", self.logit_softcap, 0.0, float("inf"))
         check_choice("model.activation", self.activation, ACTIVATIONS)
 
     @property

@@ -9,6 +9,7 @@ from torch import nn
 
 from stabilize.model.config import GPTConfig
 from stabilize.model.layers import Block, deepnorm_beta, norm_or_identity
+from stabilize.model.logits import LogitSoftcap
 from stabilize.norms import Norm
 
 
@@ -26,6 +27,10 @@ class GPT(nn.Module):
         self.ln_f = norm_or_identity(cfg.norm.final_norm, cfg.d_model, cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied (Press & Wolf 2017), as in GPT-2
+        self.logit_softcap = LogitSoftcap(cfg.logit_softcap)  # a pass-through when off
+        # the loss's z-loss coefficient (model/logits.py lm_loss): an attribute, not a
+        # buffer, so a remedy can switch it on mid-run (rollback/remedies.py, z_loss)
+        self.z_loss = cfg.z_loss
         self.reset_parameters()
 
     @torch.no_grad()
@@ -68,7 +73,7 @@ class GPT(nn.Module):
         x = self.ln_emb(self.drop(self.wte(idx) + self.wpe(pos)))  # [B, T, C]
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.logit_softcap(self.lm_head(self.ln_f(x)))
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (tied weights once); ``non_embedding`` drops the position table."""

@@ -27,6 +27,7 @@ def check_gpt2_compatible(cfg: GPTConfig) -> None:
         "norm.qk_norm": (n.qk_norm, False),
         "model.bias": (cfg.bias, True),
         "model.activation": (cfg.activation, "gelu_tanh"),
+        "model.logit_softcap": (cfg.logit_softcap, 0.0),  # changes the outputs
     }
     bad = [f"{k}={v!r} (GPT-2 needs {w!r})" for k, (v, w) in want.items() if v != w]
     if bad:

@@ -15,50 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
+import torch
 
 from stabilize.monitors.events import INFO, ROLLBACK, WARN, Event, StepStats
-from stabilize.numerics import DANGER_LINE
+from stabilize.monitors.forecast import LineForecaster, Projection, theil_sen_slope  # noqa: F401
+from stabilize.numerics import DANGER_LINE, sum_of_squares_rms_limit
 from stabilize.validate import check_choice, check_positive
 
 LINES = ("auto", "fp16_square", "info", "off")
 ACT_DTYPES = ("fp32", "bf16", "fp16")
 FP16_MAX = 65504.0
 _ACT_DTYPE = {"fp32": "fp32", "fp16-mixed": "fp16", "bf16-mixed": "bf16", "bf16-true": "bf16"}
-
-_PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # W -> (i, j, j - i)
-
-
-def theil_sen_slope(y: np.ndarray) -> np.ndarray:
-    """Median of pairwise slopes along the last axis (steps equally spaced).
-
-    y: [series, W]. Robust to outliers: up to ~29% of the points can be wild without moving
-    the estimate (Sen 1968). Returns [series].
-
-    The pair indices are made once per W, the slopes computed in one buffer and the median
-    taken by an in-place partition: the same numbers as ``np.median``, ~2.5x cheaper,
-    which matters on the steps that refit (measured in a training run, where the forward's
-    memory traffic has evicted numpy's working set: ~0.6 ms -> ~0.24 ms at 7 x 32).
-    """
-    w = y.shape[-1]
-    pairs = _PAIRS.get(w)
-    if pairs is None:
-        i, j = np.triu_indices(w, k=1)
-        pairs = _PAIRS[w] = (i, j, (j - i).astype(np.float64))
-    i, j, dist = pairs
-    slopes = y[:, j]  # [series, W(W-1)/2], a new array: worked on in place
-    slopes -= y[:, i]
-    slopes /= dist
-    m = slopes.shape[-1]
-    k = m // 2
-    if m % 2:
-        slopes.partition(k, axis=-1)
-        return slopes[:, k].copy()
-    slopes.partition((k - 1, k), axis=-1)
-    return (slopes[:, k - 1] + slopes[:, k]) / 2
 
 
 @dataclass
@@ -69,14 +38,23 @@ class ActivationConfig:
     """Run this monitor."""
     threshold: float = 256.0
     """The |x| max line: the fp16 square-overflow line (256^2 > 65504)."""
-    horizon: int = 100
-    """Forecast warning: the crossing is expected within this many steps."""
-    window: int = 32
-    """Steps in the forecast's robust (Theil-Sen) fit."""
-    forecast_min: float = 8.0
-    """No forecast warning below this |x| max (early training noise)."""
-    forecast_every: int = 10
-    """Refit the forecast every N steps."""
+    horizon: int = 40
+    """Forecast warning: a crossing significant within this many steps (stabilize/monitors/
+    forecast.py: both lines, |x| max vs ``threshold`` and row RMS vs 255.94/sqrt(D))."""
+    window: int = 8
+    """Steps in the forecast's robust (Theil-Sen) fit, refitted every step."""
+    forecast_start: int = 4
+    """Points a layer needs before its first forecast."""
+    forecast_z: float = 3.0
+    """How many of the layer's own noise sigmas (learned from its step-to-step increments)
+    the projected crossing must clear to be warned."""
+    noise_window: int = 32
+    """Steps of increments the noise sigma is learned over."""
+    forecast_reach: float = 2.0
+    """Warn no further ahead than this many times the steps a layer has been seen."""
+    forecast_damped: bool = True
+    """Project a slowing rate as slowing (a damped trend: the recent half-window's rate
+    against the older half's), so early training's levelling-off is not extrapolated."""
     on_overflow: str = "warn"
     """warn | rollback, when a norm's reduction overflows."""
     line: str = "auto"
@@ -93,8 +71,10 @@ class ActivationConfig:
         check_positive("monitor.activation.threshold", self.threshold)
         check_positive("monitor.activation.horizon", self.horizon, integer=True)
         check_positive("monitor.activation.window", self.window, integer=True)
-        check_positive("monitor.activation.forecast_min", self.forecast_min)
-        check_positive("monitor.activation.forecast_every", self.forecast_every, integer=True)
+        check_positive("monitor.activation.forecast_start", self.forecast_start, integer=True)
+        check_positive("monitor.activation.forecast_z", self.forecast_z)
+        check_positive("monitor.activation.noise_window", self.noise_window, integer=True)
+        check_positive("monitor.activation.forecast_reach", self.forecast_reach)
         check_choice("monitor.activation.on_overflow", self.on_overflow, ("warn", "rollback"))
         check_choice("monitor.activation.line", self.line, LINES)
         check_choice("monitor.activation.activation_dtype", self.activation_dtype, ACT_DTYPES)
@@ -136,7 +116,9 @@ def line_meaning(line: str, activation_dtype: str) -> str:
 
 class ActivationMonitor:
     name = "activation"
-    needs = ("act_max", "norm_overflow", "norm_collapsed", "norm_nan_rows")
+    needs = (
+        "act_max", "norm_overflow", "norm_collapsed", "norm_nan_rows", "norm_rms_max", "norm_dim"
+    )  # fmt: skip
 
     @classmethod
     def from_config(cls, name: str, c: ActivationConfig) -> ActivationMonitor:
@@ -144,9 +126,12 @@ class ActivationMonitor:
             c.threshold,
             c.horizon,
             c.window,
+            min_points=c.forecast_start,
             on_overflow=c.on_overflow,
-            forecast_min=c.forecast_min,
-            forecast_every=c.forecast_every,
+            z=c.forecast_z,
+            noise_window=c.noise_window,
+            damped=c.forecast_damped,
+            reach=c.forecast_reach,
             line="fp16_square" if c.line == "auto" else c.line,
             activation_dtype=c.activation_dtype,
         )
@@ -154,41 +139,37 @@ class ActivationMonitor:
     def __init__(
         self,
         threshold: float = DANGER_LINE,
-        horizon: int = 100,
-        window: int = 32,
-        min_points: int = 16,
+        horizon: int = 40,
+        window: int = 8,
+        min_points: int = 4,
         on_overflow: str = "warn",
-        forecast_min: float = 8.0,
-        forecast_every: int = 10,
+        z: float = 3.0,
+        noise_window: int = 32,
+        damped: bool = True,
+        reach: float = 2.0,
         line: str = "fp16_square",
         activation_dtype: str = "fp32",
     ):
-        """``forecast_min``: no forecast warning below this |x| max. Activations grow
-        fast early in training from their ~0.5 start; a line fit there predicts a crossing
-        that never comes (seen on the tiny model: "256 in ~40 steps" at |x| max 0.5)."""
+        """The forecast runs only where the line is a danger (``line=fp16_square``): with an
+        fp32/bf16 reduction nothing can overflow there, and it stays silent (issue 11)."""
         self.threshold, self.horizon = threshold, horizon
-        self.window, self.min_points = window, min(min_points, window)
-        self.forecast_min = forecast_min
-        # The fit runs every few steps (the window still takes every value): its horizon is
-        # ~100 steps, and numpy per step cost ~1% of a tiny-model step.
-        self.forecast_every = forecast_every
         self.on_overflow = ROLLBACK if on_overflow == "rollback" else WARN
-        # the crossing's and forecast's severity and wording follow the run (resolve_line)
+        # the crossing's severity and wording follow the run (resolve_line)
         self.line = line
         self.line_kind = WARN if line == "fp16_square" else INFO
         self.meaning = line_meaning(line, activation_dtype)
-        self.history: dict[str, deque[float]] = {}
+        self.forecaster = LineForecaster(
+            horizon, window, min_points, z, noise_window, damped=damped, reach=reach
+        )
         self.above: set[str] = set()  # layers currently past the line (warn once per crossing)
         self.forecast: dict[str, float] = {}  # layer -> steps left (inf: not rising)
-        self.forecast_warned: set[str] = set()  # warn once per approach
+        self.forecast_warned: set[str] = set()  # layers warned: once per approach
+        self._rms_line: dict[int, float] = {}  # D -> 255.94 / sqrt(D)
 
     def update(self, stats: StepStats) -> list[Event]:
         events = []
         step = stats.step
         for layer, value in stats.act_max.items():
-            h = self.history.setdefault(layer, deque(maxlen=self.window))
-            if math.isfinite(value) and value > 0:
-                h.append(math.log(value))
             if value > self.threshold and layer not in self.above:
                 self.above.add(layer)
                 if self.line != "off":
@@ -206,7 +187,7 @@ class ActivationMonitor:
                     )
             elif value <= self.threshold:
                 self.above.discard(layer)
-        if step % self.forecast_every == 0:
+        if self.line == "fp16_square":
             events += self._forecast(step, stats)
         for norm, n in stats.norm_overflow.items():
             if n > 0:
@@ -227,56 +208,71 @@ class ActivationMonitor:
                 )
         return events
 
+    def _lines(self, stats: StepStats) -> dict[tuple[str, str], tuple[float, float]]:
+        """Every unit's (value, line): |x| max vs the threshold; a norm's largest row RMS vs
+        the fp16 sum-of-squares line, where the RMS is measured (the explicit backend)."""
+        out = {(k, "abs"): (v, self.threshold) for k, v in stats.act_max.items()}
+        for k, v in stats.norm_rms_max.items():
+            d = stats.norm_dim.get(k)
+            if d:
+                line = self._rms_line.get(d)
+                if line is None:
+                    line = self._rms_line[d] = sum_of_squares_rms_limit(torch.float16, d)
+                out[(k, "rms")] = (v, line)
+        return out
+
     def _forecast(self, step: int, stats: StepStats) -> list[Event]:
-        """Steps until each rising layer crosses the threshold, from a log-linear robust fit."""
-        full = [k for k, h in self.history.items() if len(h) >= self.min_points]
+        """Warn once per approach for each layer with a crossing significant within the
+        horizon, on whichever of its lines comes first (either overflows a 16-bit reduction
+        of that tensor); ``self.forecast``: steps left per layer (the nearer line)."""
+        lines = self._lines(stats)
+        by_layer: dict[str, list[tuple[str, Projection]]] = {}
+        for (layer, kind), p in self.forecaster.update(lines).items():
+            by_layer.setdefault(layer, []).append((kind, p))
         self.forecast = {}
-        if not full:
-            return []
-        n = min(len(self.history[k]) for k in full)
-        y = np.array([list(self.history[k])[-n:] for k in full])  # [layers, n] of log|x|max
-        slope = theil_sen_slope(y)  # log units per step
-        level = np.median(y - slope[:, None] * np.arange(n), axis=1) + slope * (n - 1)
         events = []
-        target = math.log(self.threshold)
-        for k, s, lv in zip(full, slope, level, strict=True):
-            left = (target - lv) / s if s > 0 and lv < target else math.inf
-            if lv >= target:
-                left = 0.0
-            self.forecast[k] = left
-            if left >= self.horizon:
-                self.forecast_warned.discard(k)
-            near = math.exp(lv) >= self.forecast_min
-            if self.line == "off":
+        for layer, ps in by_layer.items():
+            self.forecast[layer] = min(p.left for _, p in ps)
+            if any(p.level >= 0 for _, p in ps):
+                continue  # already past a line: the crossing itself is the news
+            sig = [(p.within, kind, p) for kind, p in ps if p.significant]
+            if not sig:
+                if all(p.slope <= 0 for _, p in ps):  # the approach is over
+                    self.forecast_warned.discard(layer)
                 continue
-            if near and 0 < left < self.horizon and k not in self.above | self.forecast_warned:
-                self.forecast_warned.add(k)
-                events.append(
-                    Event(
-                        self.line_kind,
-                        "forecast",
-                        step,
-                        f"{k}: |x| max {math.exp(lv):.4g} rising x{math.exp(s):.4f}/step; "
-                        f"crosses {self.threshold:g} in ~{left:.0f} steps{self._forecast_note()}",
-                        layer=k,
-                        value=left,
-                        threshold=float(self.horizon),
-                    )
-                )
+            if layer in self.forecast_warned:
+                continue
+            self.forecast_warned.add(layer)
+            _, kind, p = min(sig, key=lambda t: t[0])
+            value, line = lines[(layer, kind)]
+            events.append(self._event(step, layer, kind, value, line, p))
         return events
 
-    def _forecast_note(self) -> str:
-        """The forecast's WARN reads as before; an INFO one says why it is no warning."""
-        return "" if self.line_kind == WARN else f" ({self.meaning})"
+    def _event(self, step, layer, kind, value, line, p: Projection) -> Event:
+        what = "|x| max" if kind == "abs" else "largest row RMS"
+        why = "an fp16 square overflows" if kind == "abs" else "the fp16 sum of squares overflows"
+        return Event(
+            WARN,
+            "forecast",
+            step,
+            f"{layer}: {what} {value:.4g} rising x{math.exp(p.slope):.3f}/step (noise "
+            f"x{math.exp(p.sigma):.3f}); crosses {line:.4g} ({why}) in ~{p.left:.0f} steps, "
+            f"at {self.forecaster.z:g} sigma within {math.ceil(p.within)}",
+            layer=layer,
+            value=p.left,
+            threshold=float(self.horizon),
+            extra={"line": kind, "limit": line, "within": p.within, "sigma": p.sigma},
+        )
 
     def state_dict(self) -> dict:
         return {
-            "history": {k: list(v) for k, v in self.history.items()},
+            "forecaster": self.forecaster.state_dict(),
             "above": sorted(self.above),
             "forecast_warned": sorted(self.forecast_warned),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.history = {k: deque(v, maxlen=self.window) for k, v in state["history"].items()}
+        if "forecaster" in state:  # a checkpoint from before issue 11 kept a "history": the
+            self.forecaster.load_state_dict(state["forecaster"])  # forecast restarts instead
         self.above = set(state["above"])
         self.forecast_warned = set(state["forecast_warned"])

@@ -14,7 +14,16 @@ from stabilize.monitors.health import (
     NonFiniteConfig,
     NonFiniteMonitor,
 )
+from stabilize.monitors.logits import (
+    AttnEntropyConfig,
+    AttnEntropyMonitor,
+    AttnLogitConfig,
+    AttnLogitMonitor,
+    LogZConfig,
+    LogZMonitor,
+)
 from stabilize.monitors.registry import register_monitor
+from stabilize.monitors.replicas import ReplicasConfig, ReplicasMonitor
 from stabilize.monitors.spikes import SpikeConfig, SpikeMonitor
 
 register_monitor("activation", ActivationConfig, ActivationMonitor.from_config)
@@ -34,3 +43,8 @@ register_monitor(
 )
 register_monitor("nonfinite", NonFiniteConfig, NonFiniteMonitor.from_config, flag=True)
 register_monitor("loss_scale", LossScaleConfig, LossScaleMonitor.from_config)
+# issue 15 item 4: attention and output logits (monitors/logits.py)
+register_monitor("attn_logit", AttnLogitConfig, AttnLogitMonitor.from_config)
+register_monitor("attn_entropy", AttnEntropyConfig, AttnEntropyMonitor.from_config)
+register_monitor("log_z", LogZConfig, LogZMonitor.from_config)
+register_monitor("replicas", ReplicasConfig, ReplicasMonitor.from_config)

@@ -52,6 +52,16 @@ class StepStats:
     norm_nan_rows: dict[str, float] = field(default_factory=dict)
     norm_rms_max: dict[str, float] = field(default_factory=dict)  # norm -> largest row RMS
     attn_logit: dict[str, float] = field(default_factory=dict)  # block -> logit upper bound
+    # issue 15 (empty where not measured this step): block -> lowest head entropy (nats, log
+    # steps); the output logits' log Z {"mean", "max"}; per block h.{i} / "other", on log
+    # steps: the pre-clip gradient norm and the coming update's ||dW|| / ||W||
+    attn_entropy: dict[str, float] = field(default_factory=dict)
+    log_z: dict[str, float] = field(default_factory=dict)
+    layer_grad_norm: dict[str, float] = field(default_factory=dict)
+    update_ratio: dict[str, float] = field(default_factory=dict)
+    # each rank's parameter fingerprint, on replica-check steps only (empty otherwise)
+    replicas: tuple[int, ...] = ()
+    norm_dim: dict[str, int] = field(default_factory=dict)  # norm -> width D (constant)
 
 
 # What a monitor may declare in ``needs``: every StepStats field but the step.
@@ -67,4 +77,8 @@ SERIES_METRICS = {
     "norm_collapsed": "dead",
     "norm_nan_rows": "nan_rows",
     "norm_rms_max": "rms",
+    "attn_entropy": "attn_entropy",
+    "log_z": "log_z",
+    "layer_grad_norm": "grad_norm",
+    "update_ratio": "update_ratio",
 }

@@ -108,9 +108,9 @@ def render(cfg: RunConfig, plan: PlanConfig) -> str:
     rows += [
         "",
         f"host memory, snapshot ring (rollback.keep={keep}){'per rank':>14}{'per node':>12}",
-        f"  {'full copy on every rank (DDP today)':<47}{_gb(st.ring_per_rank)}   "
+        f"  {'full copy on every rank (before issue 13.4)':<47}{_gb(st.ring_per_rank)}   "
         f"{_gb(st.ring_per_node)}",
-        f"  {f'1/{world} slice per rank (issue 13.4; FSDP)':<47}{_gb(st.sharded_per_rank)}   "
+        f"  {f'1/{world} slice per rank (DDP and FSDP now)':<47}{_gb(st.sharded_per_rank)}   "
         f"{_gb(st.sharded_per_node)}",
         "",
         f"disk{'GB':>41}",

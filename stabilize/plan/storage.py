@@ -29,9 +29,9 @@ class Storage:
     """Host memory per node and disk, for ``gpus_per_node`` ranks on ``nodes`` nodes."""
 
     snapshot: int  # one full snapshot (= one checkpoint), bytes
-    ring_per_rank: int  # rollback.keep full copies on every rank (DDP today)
+    ring_per_rank: int  # rollback.keep full copies on every rank (before issue 13.4)
     ring_per_node: int
-    sharded_per_rank: int  # rollback.keep slices of 1/world (issue 13 item 4; FSDP's shards)
+    sharded_per_rank: int  # rollback.keep slices of 1/world: DDP (rollback/sharded.py), FSDP
     sharded_per_node: int
     write_seconds: float  # one durable snapshot at the given bandwidth
     disk_per_100_steps: int  # durable snapshots + periodic checkpoints written

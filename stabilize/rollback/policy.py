@@ -35,13 +35,21 @@ class RollbackConfig:
     after each write, so a long run's disk use is bounded."""
     margin: int = 1
     """Restore a snapshot at least this many steps older than the fault."""
-    ladder: list[str] = field(default_factory=lambda: ["skip_data", "lower_lr", "fp32_reduction"])
-    """Remedies (registered names, stabilize/rollback/remedies.py), one per successive
-    rollback for the same monitor."""
+    ladder: list[str] = field(
+        default_factory=lambda: ["retry", "skip_batch", "lower_lr", "fp32_reduction"]
+    )
+    """Remedies (registered names, stabilize/rollback/remedies.py). With ``classify``: the
+    rungs that fit the fault's class, in this order (none fit: the whole ladder); without:
+    one per successive rollback for the same monitor."""
+    classify: bool = True
+    """Re-run a faulty step to classify the fault (transient, deterministic, data-linked;
+    docs/stability.md) and pick the remedy by its class."""
     skip_batches: int = 20
     """skip_data: batches skipped past the restored position."""
     lr_factor: float = 0.5
     """lower_lr: the schedule's LR is multiplied by this."""
+    z_loss: float = 1e-4
+    """z_loss: the z-loss coefficient it switches on (PaLM used 1e-4)."""
     max_rollbacks: int = 5
     """Rollbacks allowed in ``window`` steps; one more aborts."""
     window: int = 1000
@@ -55,6 +63,7 @@ class RollbackConfig:
             check_positive("rollback.keep_durable", self.keep_durable, integer=True)
         check_range("rollback.margin", self.margin, 0, float("inf"))
         check_range("rollback.lr_factor", self.lr_factor, 1e-6, 1.0)
+        check_range("rollback.z_loss", self.z_loss, 1e-12, float("inf"))
         for i, r in enumerate(self.ladder):
             check_choice(f"rollback.ladder[{i}]", r, REMEDIES)
 
@@ -70,9 +79,13 @@ class Decision:
 class RollbackPolicy:
     """Which snapshot, which remedy, or give up.
 
-    Successive rollbacks for the same monitor climb that monitor's ladder: the i-th
-    rollback applies ``ladder[i]``; one more than the ladder has rungs, or more than
-    ``max_rollbacks`` rollbacks of any kind within ``window`` steps, aborts.
+    A classified fault (``event.extra["class"]``) takes the ladder's rungs that fit its
+    class (``Remedy.classes``): a transient or data-linked one the first of them every time
+    (``retry``, ``skip_batch``: each occurrence is a new one), a deterministic one climbs
+    them. An unclassified fault, or a class no rung fits, climbs the whole ladder. Climbing:
+    the i-th rollback for the same monitor (and class) applies the i-th rung; one more than
+    there are rungs, or more than ``max_rollbacks`` rollbacks of any kind within ``window``
+    steps, aborts.
     """
 
     def __init__(self, cfg: RollbackConfig):
@@ -81,27 +94,35 @@ class RollbackPolicy:
 
     def decide(self, event: Event, ring: SnapshotRing) -> Decision:
         recent = [h for h in self.history if h["fault_step"] > event.step - self.cfg.window]
-        same = [h for h in recent if h["monitor"] == event.monitor]  # the ladder resets
+        cls = event.extra.get("class")
+        rungs = [r for r in self.cfg.ladder if cls in REMEDIES[r].classes] or self.cfg.ladder
+        same = [
+            h for h in recent if h["monitor"] == event.monitor and h.get("class") == cls
+        ]  # the ladder resets
+        if cls in ("transient", "data") and rungs is not self.cfg.ladder:
+            same = []  # each occurrence is a new fault: the first fitting rung again
         if len(recent) >= self.cfg.max_rollbacks:
             return Decision(
                 "abort",
                 reason=f"{len(recent)} rollbacks within "
                 f"{self.cfg.window} steps (max {self.cfg.max_rollbacks})",
             )
-        if len(same) >= len(self.cfg.ladder):
+        if len(same) >= len(rungs):
             return Decision(
                 "abort",
-                reason=f"the remedy ladder {self.cfg.ladder} is exhausted "
+                reason=f"the remedy ladder {rungs} is exhausted "
                 f"for {event.monitor!r}: the fault persists",
             )
-        snap = ring.newest_before(event.step - self.cfg.margin)
+        limit = event.step - self.cfg.margin
+        # the replica check knows the last step every replica agreed on
+        limit = min(limit, event.extra.get("restore_at_or_before", limit))
+        snap = ring.newest_before(limit)
         if snap is None:
             return Decision(
                 "abort",
-                reason=f"no snapshot at or before step "
-                f"{event.step - self.cfg.margin} (have {ring.steps()})",
+                reason=f"no snapshot at or before step {limit} (have {ring.steps()})",
             )
-        remedy = self.cfg.ladder[len(same)]
+        remedy = rungs[len(same)]
         self.history.append(
             {
                 "monitor": event.monitor,
@@ -110,6 +131,7 @@ class RollbackPolicy:
                 "remedy": remedy,
                 "message": event.message,
                 "layer": event.layer,
+                "class": cls,
             }
         )
         return Decision("rollback", snap, remedy)

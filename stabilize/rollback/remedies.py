@@ -10,7 +10,16 @@ the fp32 reduction is this project's own, docs/stability.md):
   does not recur; Megatron-LM re-runs a failing step to tell the two kinds apart);
 - ``skip_data``: move the data position ``rollback.skip_batches`` past the restored one;
 - ``lower_lr``: multiply the LR scale by ``rollback.lr_factor``;
-- ``fp32_reduction``: switch every norm's reduction to fp32.
+- ``fp32_reduction``: switch every norm's reduction to fp32;
+- ``z_loss``: switch PaLM's z-loss on (``rollback.z_loss`` x mean(log Z^2) added to the loss;
+  Wortsman et al. 2023 found it prevents output-logit divergence), mid-run.
+- ``skip_batch``: never train on the batches a data-linked fault was found in (their data
+  positions join ``state.skipped``, kept in checkpoints and in the run dir's
+  ``skipped_batches.json``, so a resume skips them too).
+
+Each remedy says which fault classes it fits (``classes``; docs/stability.md): ``retry``
+a transient fault, ``skip_data`` and ``skip_batch`` a data-linked one, the rest (the
+numerics) a deterministic one.
 
 A remedy from outside the package: subclass ``Remedy``, set ``name``, and
 ``register_remedy(MyRemedy())`` before the run's config is built (the ladder is checked
@@ -36,12 +45,16 @@ class TrainState(Protocol):
     model: nn.Module
     lr_scale: float  # multiplies the schedule's LR; saved in checkpoints
     data_step: int  # the data position; saved in checkpoints
+    skipped: set[int]  # data positions never trained on; saved in checkpoints
+    fault_batches: list[int]  # the data positions the fault was found in (set before apply)
 
 
 class Remedy:
     """One rung of the ladder. Subclasses set ``name`` and override what they change."""
 
     name: str = ""
+    classes: tuple[str, ...] = ("deterministic",)
+    """The fault classes this remedy fits (the policy picks among the ladder's fitting rungs)."""
 
     def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
         """After the restore (model, optimizer and steps are the snapshot's): change the
@@ -56,10 +69,12 @@ class Remedy:
 
 class Retry(Remedy):
     name = "retry"
+    classes = ("transient",)
 
 
 class SkipData(Remedy):
     name = "skip_data"
+    classes = ("data",)
 
     def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
         state.data_step += cfg.skip_batches
@@ -82,6 +97,28 @@ class FP32Reduction(Remedy):
 
     def reapply(self, state: TrainState) -> None:
         set_reduction_dtype(state.model, "fp32")  # a module attribute, not in the state dict
+
+
+class ZLoss(Remedy):
+    """Sets the model's z-loss coefficient (``GPT.z_loss``, read by the loss every step) to
+    ``rollback.z_loss``, or keeps a larger one already set. The coefficient is saved in
+    checkpoints by the module (``stabilize.z_loss``), like the LR scale: no reapply."""
+
+    name = "z_loss"
+
+    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+        before = float(state.model.z_loss)
+        state.model.z_loss = max(before, cfg.z_loss)
+        return {"z_loss": state.model.z_loss, "z_loss_before": before}
+
+
+class SkipBatch(Remedy):
+    name = "skip_batch"
+    classes = ("data",)
+
+    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+        state.skipped |= set(state.fault_batches)  # in place: the sampler holds this set
+        return {"skipped_batches": sorted(state.fault_batches)}
 
 
 REMEDIES: dict[str, Remedy] = {}
@@ -110,5 +147,6 @@ def reapply_remedies(state: TrainState, names: list[str]) -> None:
         get_remedy(name, "checkpoint remedies").reapply(state)
 
 
-for _remedy in (Retry(), SkipData(), LowerLR(), FP32Reduction()):
+for _remedy in (Retry(), SkipData(), LowerLR(), FP32Reduction(), ZLoss()):
     register_remedy(_remedy)
+register_remedy(SkipBatch())

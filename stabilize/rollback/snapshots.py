@@ -65,6 +65,21 @@ def _copy_tree(obj, into, copies: dict, used: set, dst: list, src: list) -> Any:
         src.append(obj.detach())
         copies[key] = out
         return out
+    local = getattr(obj, "_local_tensor", None)  # a DTensor (FSDP2): this rank's shard
+    if local is not None:
+        old = getattr(into, "_local_tensor", None)
+        if (
+            old is not None
+            and old.device.type == "cpu"
+            and old.shape == local.shape
+            and old.dtype == local.dtype
+            and into.placements == obj.placements
+            and id(into) not in used
+        ):  # the shard written into the recycled one's buffer: no allocation
+            used.add(id(into))
+            dst.append(old)
+            src.append(local.detach())
+            return into
     if isinstance(obj, torch.Tensor):  # a subclass (DTensor, ...), sparse: as it comes
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):

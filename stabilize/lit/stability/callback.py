@@ -1,6 +1,7 @@
 """The stability callback: feeds the monitors once per step, acts on their verdict.
 
-Thin: the step gather (``gather.py``), NaN localization (``localize.py``), the rollback
+Thin: the step gather (``gather.py``), the re-run classification (``classify.py``) with
+NaN localization in the forward and the backward (``localize.py``), the rollback
 controller (``controller.py``: snapshot, restore, remedy, abort) and the event sink
 (``sink.py``: events.jsonl, console, W&B alerts, metrics and counts) do the work; this
 file says when. Every rank runs the same monitors on the same numbers and takes the same
@@ -12,16 +13,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from stabilize.faults import FaultConfig, FaultInjector
+from stabilize.lit.fsdp import is_fsdp
 from stabilize.lit.probe import StabilityProbe
-from stabilize.lit.stability.controller import RollbackController
+from stabilize.lit.stability.classify import LOCALIZED, Classifier
+from stabilize.lit.stability.controller import RollbackController, load_skipped
 from stabilize.lit.stability.gather import HEAD, StepGather
-from stabilize.lit.stability.localize import localize_nonfinite
 from stabilize.lit.stability.sink import EventSink
 from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
 from stabilize.rollback import RollbackConfig
+from stabilize.rollback.sharded import Sharder
+
+
+def _sharded(trainer) -> bool:
+    """FSDP (the module's test too): parameters and gradients are shards."""
+    return hasattr(trainer.strategy.model, "clip_grad_norm_")
 
 
 class StabilityCallback(L.Callback):
@@ -44,11 +53,16 @@ class StabilityCallback(L.Callback):
         self.sink = EventSink(run_dir, self.rollback_on)
         self.controller = RollbackController(rollback, run_dir, self.suite, self.sink)
         self.gather = StepGather(accumulate)
+        self.classifier = Classifier(self.gather, self.suite)
+        rep = monitor.replicas
+        self.replicas_every = rep.every if monitor.enabled and rep.enabled else 0
         self.probe: StabilityProbe | None = None
         self.injector: FaultInjector | None = None
         self.last: StepStats | None = None
         self._pending: tuple | None = None
-        self._batch = None
+        self._batches: list = []  # the step's fresh micro-batches, and their data positions
+        self._positions: list[int] = []
+        self._detailed = False
         self._localized = False
 
     # the parts, by the names scripts/bench_monitors.py and the tests reach for
@@ -78,8 +92,17 @@ class StabilityCallback(L.Callback):
         pl_module.injector = self.controller.injector = self.injector
         if getattr(self, "_fault_state", None):  # resumed: loaded before this runs
             self.injector.load_state_dict(self._fault_state)
+        # a data-linked fault's batches stay skipped across launches (in place: the
+        # sampler shares the set)
+        pl_module.skipped |= load_skipped(self.run_dir)
         if self.mcfg.enabled:
             self.probe = StabilityProbe(model, lead=HEAD)
+        # DDP replicas hold the same state: each rank snapshots 1/world of it (sharded.py)
+        world = trainer.world_size if isinstance(trainer.strategy, DDPStrategy) else 1
+        fsdp = is_fsdp(trainer.strategy)  # each rank's state is its shard already
+        self.controller.sharder = Sharder(trainer.global_rank, world, fsdp=fsdp)
+        if world > 1 and self.rollback_on:
+            rank_zero_info(f"[stability] snapshots sharded: each of {world} ranks keeps 1/{world}")
 
     def on_train_start(self, trainer, pl_module):
         if self.rollback_on:
@@ -113,9 +136,14 @@ class StabilityCallback(L.Callback):
         if pl_module.window_start and self.probe is not None:
             # this step is logged iff Lightning's step after it is a multiple of the interval
             logged = (trainer.global_step + 1) % trainer.log_every_n_steps == 0
-            detailed = logged or self._detailed_always
-            self.probe.reset(detailed=detailed, device=pl_module.device)
+            self._detailed = logged or self._detailed_always
+            self.probe.reset(detailed=self._detailed, device=pl_module.device, logged=logged)
         self._batch = batch
+        if pl_module.window_start:
+            self._batches, self._positions = [], []
+        if not pl_module.stale_batch:
+            self._batches.append(batch)
+            self._positions.append(pl_module.data_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if pl_module.stale_batch or not (self.mcfg.enabled or self.rollback_on):
@@ -124,12 +152,8 @@ class StabilityCallback(L.Callback):
         events = self.suite.update(stats)
         self.last = stats
         bad = [e for e in events if e.kind == ROLLBACK]
-        nonfinite = next((e for e in bad if e.monitor == "nonfinite"), None)
-        # Where did it start? Every time when it is rolled back; without rollback, for the
-        # first one only (a run left to go on would replay every step after it).
-        if nonfinite is not None and (self.rollback_on or not self._localized):
-            nonfinite.extra["localization"] = localize_nonfinite(trainer, pl_module, self._batch)
-            self._localized = True
+        if bad:
+            self._classify(trainer, pl_module, bad)
         if bad and self.rollback_on:
             optimizer.zero_grad(set_to_none=True)  # nothing of this step is applied
             pl_module.skip_step = True
@@ -151,8 +175,37 @@ class StabilityCallback(L.Callback):
 
     # ---- the parts (methods, so that a benchmark can time each one) ------------------------
     def _gather(self, trainer, pl_module, optimizer) -> StepStats:
-        """One vector, one collective, one host transfer."""
-        return self.gather(trainer, pl_module, optimizer, self.probe)
+        """One vector, one collective, one host transfer (with every rank's parameter
+        fingerprint every ``monitor.replicas.every`` steps)."""
+        n = 0 if _sharded(trainer) else self.replicas_every  # shards differ by design
+        due = bool(n) and trainer.world_size > 1 and (pl_module.model_step + 1) % n == 0
+        return self.gather(trainer, pl_module, optimizer, self.probe, replicas=due)
+
+    def _classify(self, trainer, pl_module, bad: list[Event]) -> None:
+        """Replay the step (on the event only): the fault's class, for the remedy, and where
+        a non-finite value started. Localized every time when rolled back; without
+        rollback, the first time only (a run left to go on would replay every step after)."""
+        fault = bad[0]
+        nonfinite = next((e for e in bad if e.monitor in LOCALIZED), None)
+        localize = nonfinite is not None and (self.rollback_on or not self._localized)
+        classify = self.rollback_on and self.rcfg.classify and "class" not in fault.extra
+        if not (localize or classify) or _sharded(trainer):  # the replay needs whole grads
+            return
+        info = self.classifier(
+            trainer,
+            pl_module,
+            fault,
+            self.probe,
+            self._detailed,
+            self._batches,
+            self._positions,
+            classify=classify,
+            localize=localize,
+        )
+        if localize:
+            nonfinite.extra["localization"] = info.pop("localization")
+            self._localized = True
+        fault.extra.update(info)
 
     def _log_stats(self, trainer, s: StepStats, layers: bool = True) -> None:
         dims = self.probe.dims if self.probe is not None else None
@@ -178,12 +231,14 @@ class StabilityCallback(L.Callback):
             "policy": self.policy.state_dict(),
             "counts": dict(self.counts),
             "fault": self.injector.state_dict() if self.injector else None,
+            "transients": dict(self.controller.transients),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.suite.load_state_dict(state["monitors"])
         self.policy.load_state_dict(state["policy"])
         self.counts.update(state["counts"])
+        self.controller.transients.update(state.get("transients", {}))
         self._fault_state = state.get("fault")
         if self.injector is not None and self._fault_state:  # Lightning restores after setup
             self.injector.load_state_dict(self._fault_state)

@@ -6,12 +6,17 @@ picks a snapshot and a remedy (or gives up); the controller restores the snapsho
 live model, optimizer, scheduler, scaler and monitors, calls the remedy
 (stabilize/rollback/remedies.py) and seeks the data. Giving up raises ``StabilityAbort``
 with a diagnosis (also written to ``diagnosis.json``); the CLI exits with code 3.
+
+The remedy follows the fault's class (``event.extra["class"]``, classify.py): transient
+faults are counted per rank (``transients``), and the batches a data-linked fault was found
+in are written to ``skipped_batches.json`` (``SKIPPED``) so that a resume skips them too.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,17 @@ from stabilize.rollback import (
     get_remedy,
     to_cpu,
 )
+from stabilize.rollback.sharded import Sharder
+
+SKIPPED = "skipped_batches.json"  # the data positions never to train on (lit/rundir.py)
+
+
+def load_skipped(run_dir: str | Path) -> set[int]:
+    """The data positions a run dir's ``skipped_batches.json`` lists (none: empty)."""
+    path = Path(run_dir) / SKIPPED
+    if not path.exists():
+        return set()
+    return {int(b["data_step"]) for b in json.loads(path.read_text())["batches"]}
 
 
 class StabilityAbort(RuntimeError):
@@ -48,6 +64,8 @@ class RollbackController:
         self.writer = DurableWriter(background=cfg.durable_async, keep=cfg.keep_durable)
         self.policy = RollbackPolicy(cfg)
         self.injector: FaultInjector | None = None  # set by the callback's setup
+        self.sharder = Sharder()  # world 1: full copies; set per world by the callback
+        self.transients: Counter[int] = Counter()  # transient faults, per rank
 
     @staticmethod
     def _objects(trainer):
@@ -63,9 +81,10 @@ class RollbackController:
         old = self.ring.recycle() or {}
         if self.writer.busy_with(old):  # still being written to disk: let it finish first
             self.writer.wait()
+        # model + optimizer: full host copies, or this rank's 1/world slice under DDP
+        parts = {"model": pl_module.model.state_dict(), "optimizer": opt.state_dict()}
         state = {
-            "model": to_cpu(pl_module.model.state_dict(), old.get("model")),
-            "optimizer": to_cpu(opt.state_dict(), old.get("optimizer")),
+            **self.sharder.capture(parts, old, opt),
             "scheduler": to_cpu(sched.state_dict()),
             "scaler": scaler.state_dict() if scaler is not None else None,
             "model_step": pl_module.model_step,
@@ -76,8 +95,9 @@ class RollbackController:
         snap = Snapshot(pl_module.model_step, state)
         self.ring.push(snap)
         every = self.cfg.durable_every
-        if every and snap.step % every == 0 and trainer.is_global_zero:
-            self.writer.submit(snap, self.run_dir / "snapshots")
+        if every and snap.step % every == 0:  # rank 0 the whole state; FSDP: every shard
+            d = self.run_dir / "snapshots"
+            self.sharder.write_durable(snap, parts, self.writer, d, pl_module.model, opt)
 
     def restore(self, trainer, pl_module, st: dict) -> None:
         """Load a snapshot's state into the live model, optimizer, scheduler, scaler and
@@ -105,12 +125,19 @@ class RollbackController:
         if decision.action == "abort":
             self.abort(trainer, pl_module, event, decision.reason, last)
         snap, remedy = decision.snapshot, decision.remedy
-        st = snap.state
+        st = self.sharder.whole(snap.state)  # sharded: one all-gather rebuilds it
         self.restore(trainer, pl_module, st)
         if self.injector is not None and st["fault"] is not None:
             self.injector.on_rollback(st["fault"])
         pl_module.model_step, pl_module.data_step = st["model_step"], st["data_step"]
+        cls = event.extra.get("class")
+        pl_module.fault_batches = list(event.extra.get("batches", []))
         did = get_remedy(remedy).apply(pl_module, self.cfg)
+        if cls == "transient":
+            self.transients.update(event.extra.get("ranks", []))
+            did = {**did, "transients_per_rank": dict(self.transients)}
+        if "skipped_batches" in did:
+            self._record_skipped(trainer, pl_module)
         pl_module.apply_lr()  # remedies so far stay applied, on the restored step
         pl_module.remedies.append(remedy)
         pl_module.seek_data(pl_module.data_step)
@@ -123,11 +150,26 @@ class RollbackController:
                 "rollback",
                 event.step,
                 f"rolled back from step {event.step} to {snap.step} "
-                f"({event.monitor}); remedy {remedy}: {did}",
+                f"({event.monitor}, {cls or 'unclassified'}); remedy {remedy}: {did}",
                 layer=event.layer,
-                extra={"restored_step": snap.step, "remedy": remedy, **did},
+                extra={"restored_step": snap.step, "remedy": remedy, "class": cls, **did},
             ),
         )
+
+    def _record_skipped(self, trainer, pl_module) -> None:
+        """``skipped_batches.json``: every skipped data position with each rank's item
+        indices (rank 0 writes it; a resume reads it back, stability callback's setup)."""
+        if not trainer.is_global_zero:
+            return
+        sampler = pl_module._loader_cache[1][0].batch_sampler  # the trainer's own
+        batches = [
+            {
+                "data_step": p,
+                "items": [sampler.batch_for_step(p, r) for r in range(trainer.world_size)],
+            }
+            for p in sorted(pl_module.skipped)
+        ]
+        (self.run_dir / SKIPPED).write_text(json.dumps({"batches": batches}, indent=1))
 
     def abort(self, trainer, pl_module, event: Event, reason: str, last: StepStats | None):
         top = sorted(last.act_max.items(), key=lambda kv: -kv[1])[:5] if last else []

@@ -1,14 +1,25 @@
-"""NaN localization: where in the forward did a non-finite value first appear?
+"""Replaying a step, and localizing a non-finite value in its forward and its backward.
 
-Runs only on a non-finite event, so healthy steps pay nothing: this step's forward is
-replayed (the weights not yet updated, the step having been made a no-op) with a hook on
-every module, and the first module in execution order whose output is non-finite is
-reported, with whether its input already was. Every rank localizes its own copy; the
-reports are gathered so that rank 0's event names each rank's.
+Runs only on a fault, so healthy steps pay nothing. ``replay`` runs the step's
+micro-batches again from the live weights (the step was made a no-op, so these are the
+weights that failed), forward and backward, the fault's hooks included, and puts the live
+gradients back afterwards. With ``trace`` it also localizes:
+
+- forward: a hook on every module; the first module in execution order whose output is
+  non-finite, and whether its input already was;
+- backward: a full backward hook on every module and a post-accumulate hook on every
+  parameter; the first module, in backward order, whose gradient went non-finite (the
+  gradient it passes to its inputs, or one of its own parameters' gradients), and whether
+  its incoming gradient (w.r.t. its output) was finite: a finite incoming gradient means
+  the module made the NaN/inf.
+
+The replay's gradients are this rank's own until ``replay`` all-reduces them (a mean over
+ranks, as DDP does), so that its grad norm speaks of the same thing as the step's.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -19,29 +30,121 @@ def _finite(t) -> bool:
     return all(bool(torch.isfinite(x).all()) for x in ts if x.is_floating_point())
 
 
-def localize_nonfinite(trainer, pl_module, batch) -> list[dict[str, Any]]:
-    """Replay ``batch``'s forward; one report per rank (a list of one without DDP)."""
-    model = pl_module.model
-    names = {m: n for n, m in model.named_modules()}
-    first: dict[str, Any] = {}
+class _Trace:
+    """Forward and backward hooks on every module and parameter of ``model`` (removed by
+    ``close``). The backward's events are taken in the order they happen: a module's full
+    backward hook (its incoming gradient and the one it passes on), a parameter's
+    post-accumulate hook (its gradient as the optimizer would see it: after the fault's
+    tensor hooks). A parameter's event speaks for the module that owns it."""
 
-    def hook(module, args, out):
-        if not first and not _finite(out):
-            first.update(module=names[module] or "model", input_finite=_finite(args))
+    def __init__(self, model: torch.nn.Module):
+        self.names = {m: n or "model" for n, m in model.named_modules()}
+        self.forward: dict[str, Any] = {}
+        self.backward: dict[str, Any] = {}
+        self.incoming: dict[str, bool] = {}  # module -> its incoming gradient was finite
+        self.handles = []
+        for m in model.modules():
+            self.handles.append(m.register_forward_hook(self._fwd))
+            self.handles.append(m.register_full_backward_hook(self._bwd))
+        for name, p in model.named_parameters():  # a tied weight once, by its first owner
+            owner = name.rpartition(".")[0] or "model"
+            self.handles.append(p.register_post_accumulate_grad_hook(self._acc(owner)))
 
-    handles = [m.register_forward_hook(hook) for m in model.modules()]
-    try:
-        x, _y = batch
-        with torch.no_grad(), trainer.precision_plugin.forward_context():
-            model(x)
-    finally:
-        for h in handles:
+    def _fwd(self, module, args, out):
+        if not self.forward and not _finite(out):
+            self.forward.update(module=self.names[module], input_finite=_finite(args))
+
+    def _bwd(self, module, grad_input, grad_output):
+        name = self.names[module]
+        self.incoming.setdefault(name, _finite(grad_output))
+        if not self.backward and not _finite(grad_input):
+            self.backward["grad_module"] = name
+
+    def _acc(self, owner: str):
+        def hook(p):
+            if not self.backward and not _finite(p.grad):
+                self.backward["grad_module"] = owner
+
+        return hook
+
+    def result(self) -> dict[str, Any]:
+        if not self.backward:
+            return {"grad_module": None}
+        # the owner's backward hook may come after its parameter's accumulation
+        name = self.backward["grad_module"]
+        return {"grad_module": name, "grad_incoming_finite": self.incoming.get(name)}
+
+    def close(self) -> None:
+        for h in self.handles:
             h.remove()
-    mine = first or {
-        "module": None,
-        "note": "the forward was finite: the non-finite value arose in the loss or after it",
-    }
-    mine["rank"] = trainer.global_rank
+
+
+def replay(trainer, pl_module, batches, positions, *, trace: bool = False) -> dict[str, Any]:
+    """Forward and backward of ``batches`` (the step's micro-batches, at data positions
+    ``positions``) from the live weights, the fault included (a transient one does not fire
+    again). Returns the step's head for the gather (mean loss, grad norm after the
+    all-reduce, the loss scale, found-inf), each micro-batch's loss, and with ``trace``
+    this rank's localization."""
+    model, inj = pl_module.model, pl_module.injector
+    params = list(pl_module.parameters())
+    saved = [p.grad for p in params]
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    scale_t = getattr(scaler, "_scale", None) if scaler is not None else None
+    scale = float(scale_t) if scale_t is not None else 1.0
+    step, n = pl_module.model_step + 1, len(batches)
+    tr = _Trace(model) if trace else None
+    losses = []
+    try:
+        for p in params:
+            p.grad = None
+        for (x, y), pos in zip(batches, positions, strict=True):
+            pl_module.seed_dropout(pos)
+            if inj is not None:
+                inj.begin(step, pos)
+            with trainer.precision_plugin.forward_context():
+                loss = pl_module.loss((x, y))
+            if inj is not None:
+                loss = inj.on_loss(step, loss)
+                inj.arm(step, model)
+            try:
+                with warnings.catch_warnings():  # modules whose inputs need no gradient
+                    warnings.filterwarnings("ignore", "Full backward hook is firing")
+                    (loss * (scale / n)).backward()
+            finally:
+                if inj is not None:
+                    inj.disarm()  # no after_backward: a replay flips no bit
+            losses.append(loss.detach().float())
+        grads = [p.grad for p in params if p.grad is not None]
+        if trainer.world_size > 1:  # the mean over ranks, as DDP's reduce
+            flat = torch.cat([g.reshape(-1) for g in grads]) / trainer.world_size
+            torch.distributed.all_reduce(flat)
+            grads = list(flat.split([g.numel() for g in grads]))
+        gnorm = torch.nn.utils.get_total_norm(grads, foreach=True) / scale
+    finally:
+        if tr is not None:
+            tr.close()
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
+    dev = pl_module.device
+    finite = torch.isfinite(gnorm)
+    head = [
+        torch.stack(losses).mean(),
+        gnorm.float(),
+        torch.full((), scale if scale_t is not None else -1.0, device=dev),
+        (~finite).float() if scale_t is not None else torch.full((), -1.0, device=dev),
+    ]
+    out: dict[str, Any] = {"head": head, "losses": [float(v) for v in losses]}
+    if tr is not None:
+        out["localization"] = {
+            **(tr.forward or {"module": None, "note": "the forward was finite"}),
+            **tr.result(),
+            "rank": trainer.global_rank,
+        }
+    return out
+
+
+def gather_reports(trainer, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's report, on every rank (a list of one without DDP)."""
     if trainer.world_size == 1:
         return [mine]
     every: list[Any] = [None] * trainer.world_size

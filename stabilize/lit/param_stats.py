@@ -1,0 +1,101 @@
+"""Statistics the probe takes on logged steps only (issue 15, items 4 and 5): the lowest
+attention-head entropy, and per block the gradient norm and the update/weight ratio.
+
+Both stay on the device (the step's one gather moves them to the host with everything else).
+
+- Head entropy (Zhai et al. 2023: attention entropy collapse accompanies divergence): for one
+  sequence of the batch and up to ``ROWS`` strided query rows, the causal attention
+  probabilities of every head, softmax(q k^T / sqrt(d)); each head's entropy is the mean over
+  those rows of -sum p log p (nats), and the block's value is the lowest over heads. A head
+  attending to one key has 0; uniform attention over t keys has log t.
+- Update/weight ratio: ||delta W|| / ||W|| per block for the step about to be applied,
+  computed before it as torch's AdamW will do it (decoupled decay, bias-corrected moments,
+  the gradients scaled by the clipping coefficient the step will use), so no copy of the
+  weights is kept. Another optimizer (or amsgrad / maximize): not measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+ROWS = 64  # query rows sampled per sequence for the entropy
+
+
+def param_groups_by_block(model: nn.Module, n_blocks: int) -> tuple[dict[str, list], list[int]]:
+    """{group: [parameters]} for ``h.{i}`` and ``other`` (embeddings, final norm; the tied
+    head once), and each listed parameter's group index, in the order the groups list them."""
+    groups: dict[str, list] = {f"h.{i}": [] for i in range(n_blocks)}
+    groups["other"] = []
+    for name, p in model.named_parameters():  # deduplicated: the tied weight appears once
+        parts = name.split(".")
+        groups[f"h.{parts[1]}" if parts[0] == "h" else "other"].append(p)
+    index = [i for i, ps in enumerate(groups.values()) for _ in ps]
+    return groups, index
+
+
+def sampled_queries(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, T, d] -> (the first sequence's queries at strided rows [H, R, d] in fp32,
+    their positions [R])."""
+    t = q.shape[2]
+    rows = torch.arange(t - 1, -1, -max(1, t // ROWS), device=q.device)  # the last row first
+    return q[0, :, rows].float(), rows
+
+
+def lowest_head_entropy(qs: torch.Tensor, rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The lowest over heads of the mean causal attention entropy (nats) at ``rows``.
+    qs [H, R, d], rows [R], k [B, H, T, d] (the first sequence's keys are used)."""
+    k0 = k[0].float()  # [H, T, d]
+    scores = qs @ k0.transpose(-1, -2) / math.sqrt(k0.shape[-1])  # [H, R, T]
+    future = torch.arange(k0.shape[1], device=k.device)[None, :] > rows[:, None]  # [R, T]
+    p = scores.masked_fill(future, -math.inf).softmax(-1)
+    return torch.special.entr(p).sum(-1).mean(-1).amin()  # entr(0) = 0: masked keys add 0
+
+
+def _adamw_update(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+    """The change torch's AdamW is about to make to ``p`` for gradient ``g``."""
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    b1, b2 = group["betas"]
+    step = float(state["step"]) + 1 if state else 1.0  # a CPU tensor (not capturable)
+    m = torch.lerp(state["exp_avg"], g, 1 - b1) if state else g * (1 - b1)
+    v = state["exp_avg_sq"] * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
+    denom = v.sqrt() / math.sqrt(1 - b2**step) + eps
+    return p * (lr * wd) + m / denom * (lr / (1 - b1**step))
+
+
+def block_grad_update_norms(
+    groups: dict[str, list], idx: torch.Tensor, optimizer, grad_norm: torch.Tensor, max_norm: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per group: the gradient norm (pre-clip) and ||update|| / ||W|| ([G] each, fp32, on the
+    device; ratio -1 where the optimizer is not plain AdamW). ``idx``: each parameter's group
+    (``param_groups_by_block``), on the device; ``grad_norm``: the step's total pre-clip
+    norm; ``max_norm``: the clipping threshold (0: none). None for sharded (DTensor)
+    gradients, whose per-block norms would need a collective."""
+    params = [p for ps in groups.values() for p in ps]
+    grads = [p.grad for p in params]
+    if not params or any(g is not None and hasattr(g, "to_local") for g in grads):
+        return None
+    dev, ng = idx.device, len(groups)
+    zero = torch.zeros((), device=dev)
+    gsq = torch.stack([g.float().square().sum() if g is not None else zero for g in grads])
+    grad = torch.zeros(ng, device=dev).index_add_(0, idx, gsq).sqrt()
+    if type(optimizer).__name__ != "AdamW" or any(
+        gr.get("amsgrad") or gr.get("maximize") for gr in optimizer.param_groups
+    ):
+        return grad, torch.full((ng,), -1.0, device=dev)
+    coef = (max_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0) if max_norm > 0 else None
+    owner = {id(p): gr for gr in optimizer.param_groups for p in gr["params"]}
+    usq, wsq = [], []
+    for p, g in zip(params, grads, strict=True):
+        w = p.detach().float()
+        if g is None or id(p) not in owner:
+            usq.append(zero)
+        else:
+            g = g.float() if coef is None else g.float() * coef  # as clipping will scale it
+            usq.append(_adamw_update(w, g, optimizer.state.get(p, {}), owner[id(p)]).square().sum())
+        wsq.append(w.square().sum())
+    upd = torch.zeros(ng, device=dev).index_add_(0, idx, torch.stack(usq))
+    wgt = torch.zeros(ng, device=dev).index_add_(0, idx, torch.stack(wsq))
+    return grad, upd.sqrt() / wgt.sqrt()

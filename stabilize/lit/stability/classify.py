@@ -1,0 +1,114 @@
+"""Re-run classification: what kind of fault was it? (issue 15, docs/stability.md)
+
+On a ROLLBACK verdict the step is replayed in-process, from the same weights (the step was
+made a no-op) and the same micro-batches, the fault's hooks included (localize.replay),
+and the replay's statistics go through the same gather and a copy of the monitors that
+called the fault:
+
+- the monitor does not call it again: **transient** (a flipped bit, a bad host; Megatron-LM
+  re-runs a step to tell these apart, but by restarting the job). The ranks blamed are
+  those whose own loss (else grad norm) changed between the step and its replay.
+- it does: the next micro-batches (the data positions after the step's) are replayed from
+  the same weights. The monitor calls that one too: **deterministic** (the model's state or
+  numerics: the numerics rungs of the ladder). It does not: **data-linked** (the failure
+  comes with these batches and not with others): their data positions (those whose loss
+  was non-finite on some rank; else all of the step's) are skipped for good.
+
+The replicas monitor's divergence is transient by nature and comes classified.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+from stabilize.lit.stability.gather import CHUNKS, StepGather
+from stabilize.lit.stability.localize import gather_reports, replay
+from stabilize.monitors import ROLLBACK, Event, MonitorSuite, StepStats
+
+# monitors whose fault is localized in the forward and the backward (non-finite values)
+LOCALIZED = ("nonfinite", "loss_scale")
+
+
+def _differ(a: float, b: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.isfinite(a) != math.isfinite(b)
+    return abs(a - b) > 1e-5 * max(abs(a), abs(b), 1e-30)
+
+
+def blame(before: list[tuple], after: list[tuple]) -> list[int]:
+    """The ranks whose loss changed in the replay; none: those whose grad norm did."""
+    for k in (0, 1):
+        ranks = [
+            r for r, (x, y) in enumerate(zip(before, after, strict=True)) if _differ(x[k], y[k])
+        ]
+        if ranks:
+            return ranks
+    return list(range(len(before)))
+
+
+class Classifier:
+    def __init__(self, gather: StepGather, suite: MonitorSuite):
+        self.gather, self.suite = gather, suite
+
+    def calls_again(self, stats: StepStats, monitor: str) -> bool:
+        """Would ``monitor`` call for a rollback on ``stats``? (A copy of the monitors, in
+        the state the faulty step left them, judges: the live ones are not touched.)"""
+        judge = copy.deepcopy(self.suite)
+        return any(e.kind == ROLLBACK and e.monitor == monitor for e in judge.update(stats))
+
+    def _run(self, trainer, pl_module, probe, detailed, batches, positions, trace):
+        if probe is not None:
+            probe.reset(detailed=detailed, device=pl_module.device)
+        r = replay(trainer, pl_module, batches, positions, trace=trace)
+        no_fp = torch.full((CHUNKS,), -1.0, device=pl_module.device)
+        return self.gather.reduce(trainer, pl_module, r["head"], no_fp, probe), r
+
+    def __call__(
+        self,
+        trainer,
+        pl_module,
+        event: Event,
+        probe,
+        detailed: bool,
+        batches: list,
+        positions: list[int],
+        *,
+        classify: bool,
+        localize: bool,
+    ) -> dict[str, Any]:
+        """What goes into the fault event's ``extra``: ``localization`` (per rank) and with
+        ``classify`` the ``class``, the replay's numbers, ``ranks`` (transient) or
+        ``batches`` (data-linked)."""
+        before = list(self.gather.ranks)
+        stats, r = self._run(trainer, pl_module, probe, detailed, batches, positions, localize)
+        mine = {"losses": r["losses"], **({"loc": r["localization"]} if localize else {})}
+        reports = gather_reports(trainer, mine)
+        info: dict[str, Any] = {}
+        if localize:
+            info["localization"] = [x["loc"] for x in reports]
+        if not classify:
+            return info
+        info["replay"] = {"loss": stats.loss, "grad_norm": stats.grad_norm}
+        if not self.calls_again(stats, event.monitor):
+            return {**info, "class": "transient", "ranks": blame(before, self.gather.ranks)}
+        # the same batches fail again from the same weights: do other batches?
+        nxt, p = [], positions[-1] + 1
+        while len(nxt) < len(positions):
+            p = pl_module.next_position(p)
+            nxt.append(p)
+            p += 1
+        other = [pl_module.batch_at(q) for q in nxt]
+        stats2, _ = self._run(trainer, pl_module, probe, detailed, other, nxt, False)
+        info["other_batches"] = {"positions": nxt, "loss": stats2.loss}
+        if self.calls_again(stats2, event.monitor):
+            return {**info, "class": "deterministic"}
+        bad = [
+            q
+            for i, q in enumerate(positions)
+            if any(not math.isfinite(x["losses"][i]) for x in reports)
+        ]
+        return {**info, "class": "data", "batches": bad or list(positions)}

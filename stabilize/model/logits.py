@@ -1,0 +1,48 @@
+"""The output logits: Gemma 2's soft cap, their log-partition log Z, and PaLM's z-loss.
+
+- Soft cap (Gemma 2, Team Gemma 2024): logits -> cap * tanh(logits / cap), so no logit
+  leaves (-cap, cap) however large the head's output grows; ~identity well inside it.
+- log Z = logsumexp over the vocabulary of one token's logits: the softmax's normaliser.
+  Cross-entropy only sees logits up to a shift, so nothing stops log Z drifting; large
+  logits then lose precision in 16-bit formats.
+- z-loss (PaLM, Chowdhery et al. 2022, sec. 5; used by Wortsman et al. 2023 against output
+  logit divergence): coefficient * mean(log Z^2) added to the loss pulls log Z to 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LogitSoftcap(nn.Module):
+    """``cap * tanh(x / cap)``; ``cap = 0`` passes the logits through (the module is always
+    there, so the module tree has one shape; ``GPT.logit_softcap`` is this module)."""
+
+    def __init__(self, cap: float = 0.0):
+        super().__init__()
+        self.cap = float(cap)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cap <= 0:
+            return x
+        return self.cap * torch.tanh(x / self.cap)
+
+    def extra_repr(self) -> str:
+        return f"cap={self.cap:g}" if self.cap > 0 else "off"
+
+
+def log_z(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...]: logsumexp over the vocabulary, in fp32 whatever the logits' dtype."""
+    return torch.logsumexp(logits.float(), dim=-1)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+    """Next-token cross-entropy in fp32 (logits [B, T, V], targets [B, T]), plus
+    ``z_loss * mean(log Z^2)`` when the coefficient is positive."""
+    flat = logits.flatten(0, 1).float()  # [B*T, V]
+    loss = F.cross_entropy(flat, targets.flatten())
+    if z_loss > 0:
+        loss = loss + z_loss * log_z(flat).square().mean()
+    return loss
