@@ -18,7 +18,7 @@ from conftest import FAST, compose_run
 FAULT = 6  # persistent: every attempt at step 6 fails; the snapshot at step 4 is restored
 
 
-def test_a_skip_undone_by_the_next_rollback_is_told_as_undone(tmp_path):
+def test_a_skip_undone_by_the_next_rollback_is_told_as_undone(tmp_path, capsys):
     cfg = compose_run(
         tmp_path,
         [
@@ -37,6 +37,9 @@ def test_a_skip_undone_by_the_next_rollback_is_told_as_undone(tmp_path):
     )
     with pytest.raises(StabilityAbort):
         run(cfg)  # the persistent fault outlasts the ladder
+    # the console's step lines are the kept trajectory's: none for a rolled-back attempt
+    steps = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    assert steps and not any("loss nan" in x for x in steps), steps
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     rbs = rollbacks(events)
     assert [(rb.step, rb.restored_step, rb.remedy) for rb in rbs] == [

@@ -59,6 +59,8 @@ class PlainProgress(L.Callback):
         self.every = every
         self.stream = stream
         self._last = -1  # the global step last printed (a window's micro-batches share it)
+        self._rollbacks = 0  # rollbacks seen: a rolled-back step gets no line (its loss and
+        # step are the dropped attempt's; the console's ROLLBACK line says what happened)
 
     def on_train_start(self, trainer, pl_module):
         self._t0 = self._tok_t0 = time.perf_counter()
@@ -86,6 +88,10 @@ class PlainProgress(L.Callback):
             return
         self._tokens += batch[0].numel() * trainer.world_size
         step = trainer.global_step
+        rollbacks = len(getattr(pl_module, "remedies", ()))
+        if rollbacks != self._rollbacks:
+            self._rollbacks = rollbacks
+            return
         last = pl_module.model_step >= stop_step(pl_module)
         if step == self._last or (step % self.every and not last) or step == 0:
             return
