@@ -77,6 +77,11 @@ def test_fsdp_on_two_cpu_ranks_rolls_back_a_nan_on_rank_1_and_trains_like_one_pr
     assert sorted(got) == list(range(1, 9)) == sorted(ref)
     for s in ref:
         assert abs(got[s] - ref[s]) <= 1e-5, (s, got[s], ref[s])
+    # the whole held-out split scored by the sharded model, as by the unsharded one
+    mine, theirs = (
+        json.loads((d / "final_eval.json").read_text()) for d in (run_dir, tmp_path / "ref")
+    )
+    assert mine["tokens"] == theirs["tokens"] and abs(mine["loss"] - theirs["loss"]) <= 1e-5
     # durable snapshots and checkpoints: DCP directories, one shard file per rank
     snaps = sorted(p.name for p in (run_dir / "snapshots").iterdir())
     assert snaps == ["snapshot-000004", "snapshot-000008"]  # step 0's pruned: keep_durable=2

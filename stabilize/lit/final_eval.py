@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from stabilize.data import bits_per_byte, build_dataloaders
+from stabilize.lit.fsdp import is_sharded
 
 FILE = "final_eval.json"
 
@@ -39,7 +40,9 @@ def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any]:
     # padding batch is block 0 again, weighted 0
     per_rank = math.ceil(n / world)
     device = trainer.strategy.root_device
-    model = module.model.to(device)
+    model = module.model
+    if not is_sharded(model):  # Lightning's teardown may have moved it to the CPU
+        model = model.to(device)
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes

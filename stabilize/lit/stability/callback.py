@@ -29,8 +29,9 @@ from stabilize.rollback.sharded import Sharder
 
 
 def _sharded(trainer) -> bool:
-    """FSDP (the module's test too): parameters and gradients are shards."""
-    return hasattr(trainer.strategy.model, "clip_grad_norm_")
+    """FSDP2 (``trainer.strategy=fsdp``), or a module that clips sharded gradients itself:
+    parameters and gradients are shards (no replay, no replica fingerprint)."""
+    return is_fsdp(trainer.strategy) or hasattr(trainer.strategy.model, "clip_grad_norm_")
 
 
 class StabilityCallback(L.Callback):
