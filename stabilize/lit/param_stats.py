@@ -59,8 +59,9 @@ def _adamw_update(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict) ->
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
     b1, b2 = group["betas"]
     step = float(state["step"]) + 1 if state else 1.0  # a CPU tensor (not capturable)
-    m = torch.lerp(state["exp_avg"], g, 1 - b1) if state else g * (1 - b1)
-    v = state["exp_avg_sq"] * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
+    p, g = p.float(), g.float()  # in fp32 whatever the parameters' dtype (bf16-true)
+    m = torch.lerp(state["exp_avg"].float(), g, 1 - b1) if state else g * (1 - b1)
+    v = state["exp_avg_sq"].float() * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
     denom = v.sqrt() / math.sqrt(1 - b2**step) + eps
     return p * (lr * wd) + m / denom * (lr / (1 - b1**step))
 
