@@ -55,6 +55,10 @@ def test_final_eval_scores_every_held_out_block_as_float64_does(tmp_path):
 def test_final_eval_off_and_bounded(tmp_path):
     run(compose_run(tmp_path / "off", [*FAST, "logger=none", "trainer.final_eval_batches=0"]))
     assert not (tmp_path / "off" / "final_eval.json").exists()
+    # nothing held out: no score (not a NaN one), and the run ends as usual
+    out = run(compose_run(tmp_path / "none", [*FAST, "logger=none", "data.val_fraction=0"]))
+    assert not (tmp_path / "none" / "final_eval.json").exists()
+    assert "final/val_bpb" not in out["metrics"] and out["model_step"] == 4
     run(compose_run(tmp_path / "two", [*FAST, "logger=none", "trainer.final_eval_batches=2"]))
     score = json.loads((tmp_path / "two" / "final_eval.json").read_text())
     assert score["batches"] == 2 and score["tokens"] == 2 * 4 * 64  # batch 4, block 64

@@ -25,8 +25,9 @@ from stabilize.lit.fsdp import is_sharded
 FILE = "final_eval.json"
 
 
-def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any]:
-    """Score ``module.model`` on the held-out blocks; every rank must call this."""
+def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any] | None:
+    """Score ``module.model`` on the held-out blocks; every rank must call this. None when
+    nothing is held out (``data.val_fraction=0`` and no validation split)."""
     cfg = module.cfg
     rank, world = trainer.global_rank, trainer.world_size
     _, val = build_dataloaders(
@@ -36,6 +37,8 @@ def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any]:
     b = cfg.data.batch_size
     n = math.ceil(len(blocks) / b)
     n = n if max_batches is None else min(n, max_batches)
+    if n == 0:
+        return None
     # the same number of forwards on every rank (a sharded model gathers in each); a rank's
     # padding batch is block 0 again, weighted 0
     per_rank = math.ceil(n / world)

@@ -147,7 +147,7 @@ def _score_held_out(cfg: RunConfig, run_dir: Path, module, trainer: L.Trainer) -
     if n == 0:
         return None
     score = final_eval.held_out_score(module, trainer, n)
-    if trainer.is_global_zero:
+    if score is not None and trainer.is_global_zero:
         final_eval.write(run_dir, score)
         metrics = {"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]}
         for lg in trainer.loggers:
