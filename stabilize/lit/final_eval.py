@@ -40,7 +40,7 @@ def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any] |
     if n == 0:
         return None
     # the same number of forwards on every rank (a sharded model gathers in each); a rank's
-    # padding batch is block 0 again, weighted 0
+    # padding batch is block 0 again, not counted
     per_rank = math.ceil(n / world)
     device = trainer.strategy.root_device
     model = module.model
@@ -61,11 +61,11 @@ def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any] |
                 logits = model(x)
                 nats = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
                 nb = y.numel() if token_bytes is None else token_bytes.to(device)[y].sum()
-                w = 1.0 if i < n else 0.0
-                sums += w * torch.stack(
-                    [nats.double(), torch.tensor(float(y.numel()), device=device).double(),
-                     torch.as_tensor(nb, device=device).double()]
-                )  # fmt: skip
+                if i < n:  # a padding batch's forward is for the shards' gathers only
+                    sums += torch.stack(
+                        [nats.double(), torch.tensor(float(y.numel()), device=device).double(),
+                         torch.as_tensor(nb, device=device).double()]
+                    )  # fmt: skip
     finally:
         model.train(was_training)
     nats, tokens, nbytes = trainer.strategy.reduce(sums, reduce_op="sum").tolist()
