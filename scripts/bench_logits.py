@@ -31,25 +31,24 @@ import tempfile
 from pathlib import Path
 
 from benchlib import CONFIGS, StepClock, compose_cfg, prepare, run_overrides, train_with
-from benchstats import ABBA, BLOCK, block_means, load_average, print_table, quad_overheads, span
+from benchstats import BLOCK, block_means, load_average, print_table, quad_overheads, span
+from monitor_toggle import Toggle
 
 from stabilize.lit.stability import StabilityCallback
 
 NEW = ("attn_logit", "attn_entropy", "log_z")
 
 
-class LogitToggle(StepClock):
+class LogitToggle(Toggle):
     """Both clocks after every step; the new monitors and statistics switched at each
-    block's first step."""
+    block's first step (the ABBA schedule is Toggle's)."""
 
     def __init__(self, warmup: int):
-        super().__init__()
-        self.warmup = warmup
-        self.on: dict[int, bool] = {}  # block index -> new parts on
+        super().__init__(warmup)
         self.state = True
 
     def on_train_start(self, trainer, pl_module):
-        super().on_train_start(trainer, pl_module)
+        StepClock.on_train_start(self, trainer, pl_module)  # not Toggle's probe switch
         sc = self.sc = next(c for c in trainer.callbacks if isinstance(c, StabilityCallback))
         self.monitors = {k: sc.suite.monitors[k] for k in NEW}
         self.always = sc._detailed_always
@@ -77,13 +76,6 @@ class LogitToggle(StepClock):
         if not on and probe._lz_handle is not None:
             probe._lz_handle.remove()
             probe._lz_handle = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        g = trainer.global_step
-        if g >= self.warmup and (g - self.warmup) % BLOCK == 0:
-            b = (g - self.warmup) // BLOCK
-            self.on[b] = ABBA[b % 4]
-            self._switch(self.on[b])
 
 
 def bench(name: str, args, tmp: Path) -> dict:
