@@ -88,8 +88,9 @@ def recipes(quick: bool) -> list[tuple[str, str, list[str]]]:
         injected("1"), healthy("pre"), natural(1e-1, "pre", 1), injected("null"),
         natural(1e-1, "post", 1), natural(3e-2, "post", 1), healthy("post"),
     ]  # fmt: skip
-    for lr in (1e-2, 3e-2, 1e-1):
-        out += [natural(lr, place, 2) for place in ("pre", "post")]
+    for seed in (2, 3):
+        for lr in (1e-2, 3e-2, 1e-1):
+            out += [natural(lr, place, seed) for place in ("pre", "post")]
     return out
 
 

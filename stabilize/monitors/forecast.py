@@ -37,6 +37,7 @@ overflows a 16-bit reduction of that tensor.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -178,21 +179,23 @@ class LineForecaster:
                 old, new = theil_sen_slope(y[:, : n - m]), theil_sen_slope(y[:, m:])
             else:
                 old = new = slope
+            s_all = np.minimum(slope, new)
+            # the level now: the fit's median intercept, read at the last point (all units of
+            # the group in one call: a median per unit was most of the refit's time)
+            levels = np.median(y - s_all[:, None] * np.arange(n), axis=1) + s_all * (n - 1)
             for k, u in enumerate(units):
-                self.slope[u] = s = float(min(slope[k], new[k]))
+                self.slope[u] = s = float(s_all[k])
                 phi = 1.0
                 if self.damped and 0 < new[k] < old[k]:
                     # the rate fell from old to new over the halves' distance (n - m) steps
                     phi = float((new[k] / old[k]) ** (1.0 / (n - m)))
-                # the level now: the fit's median intercept, read at the last point
-                level = float(np.median(y[k] - s * np.arange(n))) + s * (n - 1)
-                out[u] = self._project(u, level, s, phi, y[k])
+                out[u] = self._project(u, float(levels[k]), s, phi, y[k])
         return out
 
     def _project(self, u: Unit, level: float, s: float, phi: float, y: np.ndarray) -> Projection:
         dev = self.dev[u]
         if len(dev) >= self.min_points:
-            sigma = _MAD * float(np.median(dev))
+            sigma = _MAD * statistics.median(dev)  # <= noise_window floats: Python's is cheaper
         else:  # too few increments seen against a slope yet: the window's own spread
             inc = np.diff(y)
             sigma = _MAD * float(np.median(np.abs(inc - np.median(inc))))
