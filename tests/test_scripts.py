@@ -133,3 +133,12 @@ def test_bench_logits_smoke(tmp_path):
     r = run_cli([*args, "--threads", "1"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| tiny | wall |" in r.stdout and "| tiny | CPU |" in r.stdout
+
+
+def test_bench_forecast_prints_a_row_per_depth(tmp_path):
+    script = str(ROOT / "scripts" / "bench_forecast.py")
+    args = ["--steps", "5", "--layers", "2,3", "--step-reps", "1"]
+    r = run_cli([sys.executable, script, *args], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| 2 |") or ln.startswith("| 3 |")]
+    assert [ln.split("|")[2].strip() for ln in rows] == ["10", "14"]  # 2 lines x (2 L + 1) norms
