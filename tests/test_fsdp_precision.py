@@ -66,9 +66,10 @@ def test_fp16_under_fsdp_skips_an_inf_step_on_every_rank_like_one_process(tmp_pa
     of one process (no sharding, the 2 ranks' global batch) given the same fault.
 
     Tolerance 2e-4: the losses differ by at most 1.5e-5 measured (fp16 autocast GEMMs on
-    batches of 4 instead of 8, and the mean over ranks), while a step 3 applied moves step
-    4's loss by 0.26 (4.374 applied, 4.636 skipped). max_steps 4 with checkpoints every 3:
-    the last checkpoint is saved after the final validation (that crashed under FSDP)."""
+    batches of 4 instead of 8, and the mean over ranks), while whether step 3 is applied
+    moves step 4's loss by 0.27 (4.3985 applied: this run without the fault; 4.6669
+    skipped). max_steps 4 with checkpoints every 3: the last checkpoint is saved after the
+    final validation (that crashed under FSDP)."""
     run_dir = tmp_path / "fsdp"
     args = [*FP16, "trainer.strategy=fsdp", "fault.rank=1"]
     torchrun("fsdp_precision_worker.py", str(run_dir), *args, cwd=tmp_path)
