@@ -10,12 +10,12 @@ Writes ``rank<r>.json``: per case, what this rank saw in its own shard.
 from __future__ import annotations
 
 import copy
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from sharded_worker import finish  # tests/: this script's own folder
 
 from stabilize.faults import FaultConfig, FaultInjector
 from stabilize.faults.base import local_part
@@ -107,10 +107,7 @@ def main(out: str) -> None:
                 mine.reshape(-1)[1:], before[BLOCK].reshape(-1)[1:]
             )
         res[name] = row
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(out, rank, res)
 
 
 if __name__ == "__main__":
