@@ -12,7 +12,6 @@ upstream).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -135,11 +134,10 @@ def _app(cfg: DictConfig) -> float | None:
         _fail(EXIT_CONFIG, one_line(str(e)), every_rank=True)
     except _stability_abort() as e:
         if _rank() == 0:
-            print(
-                "stability abort: " + json.dumps(e.diagnosis, indent=2, default=str),
-                file=sys.stderr,
-                flush=True,
-            )
+            from stabilize.lit.summary import abort_summary, read_events
+
+            lines = abort_summary(e.diagnosis, read_events(cfg_run.run_dir), cfg_run.run_dir)
+            print("\n".join(lines), file=sys.stderr, flush=True)
         _fail(EXIT_ABORT, None)
     except OSError as e:  # a full disk, a permission: name the file, no traceback
         _fail(EXIT_CRASH, file_error(e), every_rank=True)

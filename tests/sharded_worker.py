@@ -107,6 +107,11 @@ def main(out: str) -> None:
     res.update(fsdp_ring(world))
     fp = [float(p.detach().double().sum()) for p in model.parameters()]
     res["fingerprint"] = fp
+    finish(out, rank, res)
+
+
+def finish(out: str, rank: int, res: dict) -> None:
+    """Write this rank's results to ``out/rank<r>.json``; leave the process group together."""
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(res, f)
     dist.barrier()

@@ -170,7 +170,17 @@ def test_cli_exits_3_on_abort(tmp_path):
         cwd=tmp_path,
     )
     assert r.returncode == 3, r.stderr[-2000:]
-    assert "stability abort" in r.stderr and "remedy ladder" in r.stderr
+    # the console's last words read from what the run wrote: the diagnosis and its events
+    diag = json.loads((tmp_path / "diagnosis.json").read_text())
+    rolled = [e for e in events(tmp_path) if e["monitor"] == "rollback" and e["kind"] == "rollback"]
+    assert f"stability abort at step {diag['step']}: {diag['reason']}" in r.stderr
+    assert "remedy ladder" in diag["reason"]
+    assert f"the verdict: {diag['monitor']}" in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.lstrip().startswith("rollback ")]
+    assert len(lines) == len(rolled) == len(diag["rollbacks"]) >= 1
+    assert all("remedy retry" in ln for ln in lines)
+    assert f"diagnosis: {tmp_path / 'diagnosis.json'}" in r.stderr
+    assert "{" not in r.stderr.split("stability abort at step")[1]  # no JSON dump
 
 
 def test_activation_drift_reaches_its_target_on_time_and_is_warned_before(tmp_path):

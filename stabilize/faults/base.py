@@ -145,6 +145,34 @@ class PointFault(Fault):
         return True
 
 
+# ---- what a fault can touch, sharded or not -------------------------------------------------
+def grad_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the backward computes gradients for, by parameter name: a gradient hook
+    (``arm``) goes on these.
+
+    Unsharded, the parameters themselves. Under FSDP2 (``fully_shard``) a parameter is a
+    DTensor shard that is not in the autograd graph: the forward runs on a gathered copy
+    (one ``nn.Parameter`` per parameter, kept across steps, its storage freed between uses),
+    and a hook on the shard never fires (a fault armed there was a silent no-op, issue 13).
+    The gathered copies are returned instead; the reduce-scatter after the backward then
+    carries a hooked change to whichever rank owns each element."""
+    from torch.distributed.fsdp import FSDPModule  # only a sharded model has these
+
+    targets = dict(model.named_parameters())
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    if hasattr(fp, "_unsharded_param"):  # gathered once: a forward ran
+                        targets[fp._param_fqn] = fp.unsharded_param
+    return targets
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own elements: a DTensor's local shard, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 # ---- the registry -------------------------------------------------------------------------
 _FAULTS: dict[str, type[Fault]] = {}
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from stabilize.faults.base import Fault, PointFault, register_fault
+from stabilize.faults.base import Fault, PointFault, grad_targets, register_fault
 
 
 @register_fault
@@ -34,14 +34,16 @@ class NanLoss(PointFault):
 @register_fault
 class InfGrad(PointFault):
     """One element of one parameter's gradient (``fault.param``, default the first
-    parameter) turns inf: a corrupted gradient the loss does not show."""
+    parameter) turns inf: a corrupted gradient the loss does not show. Element 0 of the
+    whole gradient, before the reduce: under FSDP it reaches the rank whose shard holds it,
+    whichever rank it was injected on."""
 
     kind = "inf_grad"
 
     def arm(self, step: int, model: nn.Module) -> list[RemovableHandle]:
         if not self.fires(step):
             return []
-        params = dict(model.named_parameters())
+        params = grad_targets(model)
         name = self.cfg.param or next(iter(params))
         if name not in params:
             raise ValueError(
@@ -67,4 +69,4 @@ class GradSpike(PointFault):
         if not self.fires(step):
             return []
         factor = self.cfg.factor
-        return [p.register_hook(lambda g: g * factor) for p in model.parameters()]
+        return [p.register_hook(lambda g: g * factor) for p in grad_targets(model).values()]

@@ -3,7 +3,8 @@
 - ``bitflip``: one bit of element 0 of ``fault.param`` flipped once, on ``fault.rank``
   only, after the backward (the all-reduce is done): in the parameter itself (``flip:
   param``, a silent corruption of one replica that only the replica check sees) or in its
-  gradient (``flip: grad``: that rank alone applies a different update). A replay of the
+  gradient (``flip: grad``: that rank alone applies a different update). Under FSDP, where
+  a rank holds only its shard, element 0 of ``fault.rank``'s own shard: its memory. A replay of the
   step does not flip it again: *transient*.
 - ``poisoned_batch``: the batch at data position ``fault.batch`` (the micro-batch number,
   ``data_step``) gives a NaN loss every time it is trained on, whatever the model step; on
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stabilize.faults.base import Fault, PointFault, register_fault
+from stabilize.faults.base import Fault, PointFault, local_part, register_fault
 from stabilize.faults.config import FaultConfig
 
 
@@ -46,8 +47,8 @@ class BitFlip(PointFault):
         params = dict(model.named_parameters())
         p = params[self.cfg.param or next(iter(params))]
         target = p if self.cfg.flip == "param" else p.grad
-        if target is not None:
-            flip_bit(target, self.cfg.bit)
+        if target is not None:  # under FSDP: element 0 of this rank's own shard
+            flip_bit(local_part(target), self.cfg.bit)
 
 
 @register_fault

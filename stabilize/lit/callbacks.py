@@ -64,12 +64,20 @@ class ThroughputLogger(L.Callback):
 
 
 def params_digest(module: torch.nn.Module) -> str:
-    """SHA-256 over every parameter's bytes, in name order: equal iff bit-identical."""
+    """SHA-256 over every parameter's bytes, in name order: equal iff bit-identical.
+
+    Under FSDP2 the root is resharded first: after a no-grad forward (validation, the audit)
+    its parameters are still the gathered whole ones, not this rank's shard. The bytes are
+    read from a copy: ``Tensor.numpy()`` marks the storage it views unresizable for good,
+    and FSDP2 frees a gathered parameter by resizing its storage to 0 (a digest of the live
+    root made the next checkpoint fail, "Trying to resize storage that is not resizable")."""
+    if is_sharded(module):
+        module.reshard()
     h = hashlib.sha256()
     for name, p in sorted(module.named_parameters()):
         h.update(name.encode())
         p = p.to_local() if hasattr(p, "to_local") else p  # FSDP2: this rank's shard
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -1,6 +1,8 @@
 """The run's last words on the console (issue 16, item 1): steps taken vs asked, every
 rollback (step, the verdict that caused it, the snapshot it went back to, the remedy) and
-the config the run ended with where a remedy changed it.
+the config the run ended with where a remedy changed it; for a run the policy stopped
+(``abort_summary``), the verdict it gave up on, the rollbacks before it, the layers nearest
+the line and where the whole diagnosis is.
 
 Read from what the run left: ``events.jsonl`` (each rollback event, and the verdict event
 just before it, at the same step), and the state ``runner.ended_with`` read off the live
@@ -79,4 +81,30 @@ def final_summary(cfg, result: dict[str, Any], events: list[dict[str, Any]]) -> 
         d = result["wandb_offline_dir"]
         lines.append(f"W&B offline run: {d} (to upload: wandb sync {d})")
     lines.append(f"run dir: {result['run_dir']}")
+    return lines
+
+
+def abort_summary(diagnosis: dict[str, Any], events: list[dict[str, Any]], run_dir) -> list[str]:
+    """The console lines ending a run the rollback policy gave up on (exit code 3), read
+    from the diagnosis the controller wrote (``diagnosis.json``) and the run's events: the
+    same rollback lines as a finished run's summary, so the two read alike."""
+    d = diagnosis
+    where = f" in {d['layer']}" if d.get("layer") else ""
+    lines = [f"stability abort at step {d.get('step')}: {d.get('reason')}"]
+    if d.get("monitor"):
+        lines.append(f"  the verdict: {d['monitor']}{where}: {_cut(d.get('message', ''))}")
+    rbs = rollbacks(events)
+    lines += [rollback_line(i + 1, rb) for i, rb in enumerate(rbs)]
+    if not rbs:
+        lines.append("  no rollback before it")
+    top = d.get("act_max_top") or []
+    if top:
+        lines.append("  largest |x| at the last step: " + ", ".join(f"{k} {v:.3g}" for k, v in top))
+    near = d.get("forecast_steps_left") or {}
+    if near:
+        lines.append(
+            "  forecast, steps to the line: " + ", ".join(f"{k} {v:.0f}" for k, v in near.items())
+        )
+    lines.append(f"diagnosis: {Path(run_dir) / 'diagnosis.json'}")
+    lines.append(f"run dir: {run_dir}")
     return lines
