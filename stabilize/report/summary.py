@@ -147,7 +147,10 @@ def summarize(run: Run) -> ArmSummary:
     s.remedies = [str((e.get("extra") or {}).get("remedy")) for e in rb if e.get("extra")]
     if rb:  # the verdicts that called for them (without rollback they are verdicts only)
         verdicts = [e for e in ev if e.get("kind") == "rollback" and e.get("monitor") != "rollback"]
-        s.triggers = sorted({f"{e['monitor']}@{e['step']}" for e in verdicts})
+        # in step order (as strings "overflow@13" would sort before "overflow@8")
+        s.triggers = [
+            f"{m}@{st}" for st, m in sorted({(int(e["step"]), e["monitor"]) for e in verdicts})
+        ]
     s.rollback_story = rollback_lines(ev)
     s.aborted = run.status == "aborted" or _first(ev, "rollback", "abort") is not None
     scales = [v for _, v in run.series("train/loss_scale") if math.isfinite(v)]
@@ -257,7 +260,7 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
                 out.append(f"{a.arm}: {a.rollbacks} rollbacks ({ladder}), then gave up (abort).")
             else:
                 tail = "; no overflow after the last remedy" if _recovered(a) else ""
-                why = f", called by {', '.join(a.triggers)}," if a.triggers else ""
+                why = f", called by {', '.join(a.triggers)}" if a.triggers else ""
                 out.append(
                     f"{a.arm} recovered through {a.rollbacks} rollback(s){why} ({ladder}) and "
                     f"reached step {a.steps} with loss {a.final_loss:.3g}{tail}."
@@ -275,10 +278,16 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
     if flat and max(flat.values()) > 0:
         worst = max(flat, key=flat.get)
         out.append(
-            f"Large-eps cost: {100 * flat[worst]:.2g}% of token rows in {worst} come out of the "
+            f"Large-eps cost: {_pct(flat[worst])} of token rows in {worst} come out of the "
             f"norm more than 5% off sqrt(D) (eps is not negligible against their mean square)."
         )
     return out
+
+
+def _pct(share: float) -> str:
+    """A share as a percentage: two significant digits, whole numbers from 10% up."""
+    pct = 100 * share
+    return f"{pct:.0f}%" if pct >= 10 else f"{pct:.2g}%"
 
 
 def _nan_part(a: ArmSummary) -> str:
@@ -340,7 +349,7 @@ def table(arms: list[ArmSummary]) -> list[list[Any]]:
                 f(a.final_loss),
                 f(a.heldout_bpb, "{:.4g}"),
                 f(a.rel_err, "{:.2e}"),
-                f(None if a.flattened is None else 100 * a.flattened, "{:.2g}%"),
+                "-" if a.flattened is None else _pct(a.flattened),
             ]
         )
     return rows
