@@ -62,6 +62,21 @@ OmegaConf.register_new_resolver(
 )
 
 
+def relaunch_subdir(output_dir: str) -> str:
+    """``/relaunch-<time>`` when rank 0 launches into a dir that already holds a run (a
+    resume, or a retry that fails on a config error), else "": Hydra then records this
+    launch in ``.hydra/relaunch-<time>/`` and the run's first record, ``.hydra/``, stays
+    as it was (the report names a run by its ``overrides.yaml``; a mistyped retry must not
+    rename it). Ranks > 0 keep one ``.hydra-rankN/`` each: rank 0 writes config.json while
+    they may still be starting, so they could not tell a first launch from a later one."""
+    if _rank() != 0 or not (Path(output_dir) / "config.json").exists():
+        return ""
+    return "/relaunch-" + datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+OmegaConf.register_new_resolver("stabilize.relaunch_subdir", relaunch_subdir, replace=True)
+
+
 def _sweep_group() -> str | None:
     """In a Hydra multirun, the sweep's directory name groups its members in W&B."""
     try:
@@ -170,7 +185,9 @@ def _fail(code: int, message: str | None, every_rank: bool = False) -> NoReturn:
 def _discard_hydra_output() -> None:
     """Nothing is written on a config error, but Hydra made the run dir (its ``.hydra*/``
     and log file) before the app ran: remove those when the dir holds no run of its own
-    (no config.json), then the dir and its empty parents up to the working directory."""
+    (no config.json), then the dir and its empty parents up to the working directory; in a
+    dir holding a run, remove this launch's ``.hydra/relaunch-*/`` record only (the log
+    keeps the failed launch's lines: it is appended to)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -178,7 +195,9 @@ def _discard_hydra_output() -> None:
     except ValueError:  # not running under Hydra
         return
     out = Path(hc.runtime.output_dir)
-    if (out / "config.json").exists():
+    if (out / "config.json").exists():  # a run's own dir: only this launch's Hydra record
+        if hc.output_subdir and "/relaunch-" in hc.output_subdir:
+            shutil.rmtree(out / hc.output_subdir, ignore_errors=True)
         return
     if hc.output_subdir:
         shutil.rmtree(out / hc.output_subdir, ignore_errors=True)

@@ -140,15 +140,20 @@ def test_moved_and_copied_run_dirs_resume_and_keep_writing_last_ckpt(tmp_path):
 def test_resume_auto_on_a_finished_run_trains_nothing(tmp_path):
     d = tmp_path / "run"
     run(compose_run(d, [*COMMON, "trainer.max_steps=4"]))
+    (d / ".hydra").mkdir()  # the first launch's Hydra record (compose_run writes none)
+    (d / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.001\n")
     before = tree(d)
     r = cli(d, "resume=auto", "trainer.max_steps=4")
     assert r.returncode == 0, r.stderr[-2000:]
     said = [ln for ln in r.stdout.splitlines() if "nothing to train" in ln]
     assert len(said) == 1 and "model step 4" in said[0] and "status done" in said[0]
     after = tree(d)
-    for key in ("checkpoints/last.ckpt", "result.json", "config.json"):
+    for key in ("checkpoints/last.ckpt", "result.json", "config.json", ".hydra/overrides.yaml"):
         assert after[key] == before[key]
     assert not [k for k in after if k.startswith("csv/version_1")]
+    # the relaunch's own record, beside the first one
+    (rec,) = (d / ".hydra").glob("relaunch-*/overrides.yaml")
+    assert "resume=auto" in rec.read_text()
 
 
 # ---- item 4: damaged checkpoints ------------------------------------------------------------
