@@ -73,14 +73,9 @@ def recipes(quick: bool) -> list[tuple[str, str, list[str]]]:
     ]  # fmt: skip
 
     def natural(lr, place, seed):
+        ov = [f"optim.lr={lr}", f"norm.placement={place}", f"seed={seed}"]
         # LR 1e-2 grows slowest: 80 steps, so that its warnings' horizons mostly end in the run
-        steps = 80 if lr < 2e-2 else 40
-        ov = [
-            f"optim.lr={lr}",
-            f"norm.placement={place}",
-            f"seed={seed}",
-            f"trainer.max_steps={steps}",
-        ]
+        ov.append(f"trainer.max_steps={80 if lr < 2e-2 else 40}")
         return ("natural", f"lr{lr:g}-{place}-s{seed}", ov)
 
     def injected(channels):  # one outlier channel; all channels (spread growth)
