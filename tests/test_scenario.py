@@ -133,6 +133,10 @@ def test_remedy_answers_the_drift_and_says_what_each_rung_changed(arms):
     assert all(rb.step == CROSS and rb.answered[0].startswith(f"overflow@{CROSS}") for rb in rbs)
     last_rb = max(e["global_step"] for e in events(d, "rollback") if e["kind"] == "rollback")
     assert [e for e in events(d, "overflow") if e["global_step"] > last_rb] == []
+    # one audit per model step, never of the initial weights: a rollback rewinds the step
+    # to its snapshot's, whose state was audited already
+    steps = [json.loads(x)["step"] for x in (d / "audit.jsonl").read_text().splitlines()]
+    assert len(steps) == len(set(steps)) and min(steps) > 0, steps
     assert [e for e in events(d, "nonfinite") if e["global_step"] > last_rb] == []
     assert math.isfinite(s.final_loss) and s.heldout_bpb is not None
     assert "for the rest of the run" in s.rollback_story[0]

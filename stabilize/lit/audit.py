@@ -57,14 +57,18 @@ class NormAudit(L.Callback):
         self.cfg = cfg
         self.path = Path(run_dir) / "audit.jsonl"
         self._last_step: int | None = None
+        self._done: set[int] = set()  # model steps audited in this launch
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # Once per model step: a rollback rewinds the model step to its snapshot's, whose
+        # state (weights restored) was audited already, and a rollback to step 0 would add
+        # an audit of the initial weights that a run without rollback never has.
         step = pl_module.model_step
-        if self.cfg.every and step % self.cfg.every == 0 and step != self._last_step:
+        if self.cfg.every and step > 0 and step % self.cfg.every == 0 and step not in self._done:
             self.audit(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module):
-        if pl_module.model_step != self._last_step:
+        if pl_module.model_step not in self._done:
             self.audit(trainer, pl_module)
 
     @torch.no_grad()
@@ -129,6 +133,7 @@ class NormAudit(L.Callback):
 
     def audit(self, trainer, pl_module) -> dict | None:
         self._last_step = pl_module.model_step
+        self._done.add(pl_module.model_step)
         # rank 0 alone cannot run a sharded model's forward (each block all-gathers its
         # parameters from every rank), nor call a norm whose gamma is a shard: not audited
         if not trainer.is_global_zero or is_sharded(pl_module.model):
