@@ -69,9 +69,18 @@ def relaunch_subdir(output_dir: str) -> str:
     as it was (the report names a run by its ``overrides.yaml``; a mistyped retry must not
     rename it). Ranks > 0 keep one ``.hydra-rankN/`` each: rank 0 writes config.json while
     they may still be starting, so they could not tell a first launch from a later one."""
-    if _rank() != 0 or not (Path(output_dir) / "config.json").exists():
-        return ""
-    return "/relaunch-" + datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    # Hydra resolves ``hydra.output_subdir`` lazily, at every access (its save, then
+    # ``_discard_hydra_output``): the first answer per dir is kept, or a second access a
+    # second later would name another time, and after the app wrote config.json
+    if output_dir not in _RELAUNCH:
+        held = _rank() == 0 and (Path(output_dir) / "config.json").exists()
+        _RELAUNCH[output_dir] = (
+            "/relaunch-" + datetime.now().strftime("%Y-%m-%d_%H-%M-%S") if held else ""
+        )
+    return _RELAUNCH[output_dir]
+
+
+_RELAUNCH: dict[str, str] = {}  # output dir -> its relaunch subdir, once decided
 
 
 OmegaConf.register_new_resolver("stabilize.relaunch_subdir", relaunch_subdir, replace=True)

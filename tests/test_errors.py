@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from stabilize.exits import file_error, meaning, one_line
 from stabilize.launch import exit_code
 from stabilize.lit.config import RunConfig
 from stabilize.report import main as report_main
-from stabilize.train import main
+from stabilize.train import main, relaunch_subdir
 
 from conftest import FAST, run_cli
 
@@ -167,6 +168,20 @@ def test_a_dir_holding_a_run_keeps_its_files_on_a_config_error(tmp_path, monkeyp
         k: v for k, v in before.items() if k != ".hydra"
     }
     assert not list((run / ".hydra").glob("relaunch-*"))
+
+
+def test_the_relaunch_record_is_decided_once_per_dir(tmp_path):
+    """Hydra resolves hydra.output_subdir at every access: its save, then the clean-up after
+    a config error must name the same directory, seconds later and after config.json."""
+    held, fresh = tmp_path / "held", tmp_path / "fresh"
+    held.mkdir()
+    fresh.mkdir()
+    (held / "config.json").write_text("{}")
+    first = relaunch_subdir(str(held))
+    assert first.startswith("/relaunch-") and relaunch_subdir(str(fresh)) == ""
+    time.sleep(1.1)  # the record's name has one-second resolution
+    (fresh / "config.json").write_text("{}")  # the app writes it after Hydra's save
+    assert relaunch_subdir(str(held)) == first and relaunch_subdir(str(fresh)) == ""
 
 
 def test_a_run_dir_that_cannot_be_made_is_named(tmp_path, monkeypatch, capsys):
