@@ -6,10 +6,10 @@
 The set: natural growth (the ``nan_repro_natural`` recipe, no injection, LR 1e-2 / 3e-2 /
 1e-1 x 3 seeds x pre/post placement; 40 steps, 80 at LR 1e-2, which grows slowest), the
 injected drift (``activation_drift``: one outlier channel, and all channels), and healthy
-runs (LR 2e-3, no fault). Every run is fp32 with the ``explicit`` norm backend reducing in
-fp32: nothing overflows, so a run goes on past its crossings, and the probe measures each
-norm's largest row RMS; the lines are the ones an fp16 reduction would cross (|x| max 256,
-row RMS 255.94/sqrt(D)).
+runs (LR 2e-3, no fault; fp32, and fp16 with eps 1e-3 as the main job's large_eps arm). The
+others are fp32 with the ``explicit`` norm backend reducing in fp32: nothing overflows, so a
+run goes on past its crossings; the probe measures each norm's largest row RMS; the lines
+are the ones an fp16 reduction would cross (|x| max 256, row RMS 255.94/sqrt(D)).
 
 Ground truth does not come from the monitors: float64 hooks on every norm's input and every
 block's output measure |x| max and the largest row RMS of each training step. The forecast
@@ -17,10 +17,9 @@ is the ``ActivationMonitor`` a run builds (``line=fp16_square``), fed the run's 
 per-step ``StepStats``: the monitor is a function of those alone, so replaying them gives
 the events the live run would have logged, and other settings can be scored without
 retraining (``--load``). Prints one markdown table (stabilize/monitors/forecast_score.py),
-and the natural runs again by learning rate. The full set is 22 runs (``--quick``: 4): 51 s
-in one go on a quiet machine here; one run took 3-5 min at a load of ~15-19, so on a shared
-machine run it with ``nice -n 10`` and keep what it made with ``--save`` (an interrupted
-set resumes from it).
+and the natural runs again by learning rate. The full set is 24 runs (``--quick``: 4): about
+2 minutes on a quiet machine; on a shared one use ``nice -n 10`` and ``--save`` (an
+interrupted set resumes from it).
 """
 
 from __future__ import annotations
@@ -81,9 +80,11 @@ def recipes(quick: bool) -> list[tuple[str, str, list[str]]]:
     def injected(channels):  # one outlier channel; all channels (spread growth)
         return ("injected", f"drift-ch{channels}", [*drift, f"fault.channels={channels}"])
 
-    def healthy(place):
+    def healthy(place, fp16=False):  # fp16: the main job's large_eps arm before its drift
         ov = ["optim.lr=2e-3", f"norm.placement={place}", "trainer.max_steps=80"]
-        return ("healthy", f"lr2e-3-{place}", ov)
+        if fp16:
+            ov += ["precision=fp16-mixed", "norm.reduction_dtype=fp16", "norm.eps=1e-3"]
+        return ("healthy", f"lr2e-3-{place}" + ("-fp16-eps1e-3" if fp16 else ""), ov)
 
     if quick:
         return [natural(3e-2, "pre", 1), injected("1"), healthy("pre"), natural(1e-1, "post", 1)]
@@ -95,7 +96,7 @@ def recipes(quick: bool) -> list[tuple[str, str, list[str]]]:
     for seed in (2, 3):
         for lr in (1e-2, 3e-2, 1e-1):
             out += [natural(lr, place, seed) for place in ("pre", "post")]
-    return out
+    return out + [healthy("pre", fp16=True), healthy("post", fp16=True)]
 
 
 class Recorder(L.Callback):
@@ -167,7 +168,9 @@ def record(group: str, name: str, overrides: list[str], root: Path) -> dict:
 
     run_dir = root / name
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=[f"run_dir={run_dir}", *BASE, *overrides])
+        keys = {o.split("=")[0] for o in overrides}  # a recipe's own value replaces BASE's
+        base = [o for o in BASE if o.split("=")[0] not in keys]
+        cfg = compose("train", overrides=[f"run_dir={run_dir}", *base, *overrides])
     rec = Recorder()
     rc = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
     run(rc, callbacks=(rec,))
