@@ -56,7 +56,6 @@ class NormAudit(L.Callback):
     def __init__(self, cfg: AuditConfig, run_dir: str):
         self.cfg = cfg
         self.path = Path(run_dir) / "audit.jsonl"
-        self._last_step: int | None = None
         self._done: set[int] = set()  # model steps audited in this launch
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -132,7 +131,6 @@ class NormAudit(L.Callback):
         return out
 
     def audit(self, trainer, pl_module) -> dict | None:
-        self._last_step = pl_module.model_step
         self._done.add(pl_module.model_step)
         # rank 0 alone cannot run a sharded model's forward (each block all-gathers its
         # parameters from every rank), nor call a norm whose gamma is a shard: not audited
