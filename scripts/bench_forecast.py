@@ -4,10 +4,11 @@
 
 The forecaster (stabilize/monitors/forecast.py) is fed one value per unit per step, as the
 activation monitor feeds it: a unit is (norm, line), two lines (|x| max vs 256, row RMS vs
-255.94/sqrt(D)) for each of a GPT's 2 L + 1 norms (ln_1, ln_2 per block, ln_f; a pre-norm
-block's output is the next norm's input, so it adds no unit). The series are a slow
-exponential climb with 5% noise, so every unit is fitted every step (the worst case: a unit
-with too few points is not). Printed per depth: the refit's median and 90th percentile per
+255.94/sqrt(D)) for each norm of a default pre-norm GPT of that depth (built on the meta
+device; a pre-norm block's output is the next norm's input, so it adds no unit). The series
+are a slow exponential climb with 5% noise, so every unit is fitted every step (the worst
+case: a unit with too few points is not; "fitted" counts the last step's projections).
+Printed per depth: the refit's median and 90th percentile per
 step (host clock, after 20 warm-up steps), and, measured in the same process, its share of
 one fp32 training step of the tiny GPT (forward, backward, AdamW; ``model=tiny``, batch 8 x
 64 tokens, plain torch), the smallest step this harness runs.
@@ -29,16 +30,26 @@ import torch  # noqa: E402
 
 from stabilize.model import GPT, GPTConfig  # noqa: E402
 from stabilize.monitors.forecast import LineForecaster  # noqa: E402
+from stabilize.norms import Norm  # noqa: E402
 
 WARMUP = 20
 
 
-def refit_times(n_layer: int, steps: int, seed: int = 0) -> list[float]:
-    """Seconds per ``LineForecaster.update`` for a GPT of ``n_layer`` blocks."""
+def norm_names(n_layer: int) -> list[str]:
+    """The norms of a default (pre-norm) GPT of ``n_layer`` blocks, built on the meta
+    device: the layers the activation monitor forecasts."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=n_layer))
+    return [name for name, m in model.named_modules() if isinstance(m, Norm)]
+
+
+def refit_times(n_layer: int, steps: int, seed: int = 0) -> tuple[list[float], int, int]:
+    """Seconds per ``LineForecaster.update`` for a GPT of ``n_layer`` blocks, after the
+    warm-up; the units fed each step and those the last update projected."""
     rng = np.random.default_rng(seed)
-    norms = [f"h.{i}.ln_{k}" for i in range(n_layer) for k in (1, 2)] + ["ln_f"]
+    norms = norm_names(n_layer)
     level = rng.uniform(0.01, 0.1, len(norms))
-    fc, out = LineForecaster(), []
+    fc, out, fitted = LineForecaster(), [], 0
     for step in range(steps):
         ratio = level * np.exp(0.01 * step) * (1 + 0.05 * rng.standard_normal(len(norms)))
         values = {}
@@ -46,9 +57,9 @@ def refit_times(n_layer: int, steps: int, seed: int = 0) -> list[float]:
             values[(name, "abs")] = (float(r) * 256.0, 256.0)
             values[(name, "rms")] = (float(r) * 5.66, 5.66)
         t = time.perf_counter()
-        fc.update(values)
+        fitted = len(fc.update(values))
         out.append(time.perf_counter() - t)
-    return out[WARMUP:]
+    return out[WARMUP:], len(values), fitted
 
 
 def tiny_step_time(reps: int = 20) -> float:
@@ -77,13 +88,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     step = tiny_step_time(args.step_reps)
     print(f"tiny GPT fp32 training step (plain torch): {1e3 * step:.1f} ms (median)")
-    print("| blocks | units | refit ms/step (median) | p90 | share of a tiny step |")
-    print("|---|---|---|---|---|")
+    print("| blocks | units | fitted | refit ms/step (median) | p90 | share of a tiny step |")
+    print("|---|---|---|---|---|---|")
     for n in (int(v) for v in args.layers.split(",")):
-        ts = refit_times(n, args.steps + WARMUP)
+        ts, units, fitted = refit_times(n, args.steps + WARMUP)
         med, p90 = statistics.median(ts), float(np.percentile(ts, 90))
-        units = 2 * (2 * n + 1)
-        print(f"| {n} | {units} | {1e3 * med:.2f} | {1e3 * p90:.2f} | {med / step:.1%} |")
+        print(
+            f"| {n} | {units} | {fitted} | {1e3 * med:.2f} | {1e3 * p90:.2f} | {med / step:.1%} |"
+        )
     return 0
 
 

@@ -141,4 +141,6 @@ def test_bench_forecast_prints_a_row_per_depth(tmp_path):
     r = run_cli([sys.executable, script, *args], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| 2 |") or ln.startswith("| 3 |")]
-    assert [ln.split("|")[2].strip() for ln in rows] == ["10", "14"]  # 2 lines x (2 L + 1) norms
+    # units and projections per step: 2 lines x the 2 L + 1 norms of a pre-norm GPT (ln_1 and
+    # ln_2 per block, ln_f), every one of them fitted
+    assert [ln.split("|")[2:4] for ln in rows] == [[" 10 ", " 10 "], [" 14 ", " 14 "]]
