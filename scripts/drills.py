@@ -25,6 +25,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
+# Snapshots every 2 steps and a grad-spike verdict that rolls back only on a 100x jump
+# (never on the tiny model's ordinary steps): the fault drills here and the fault tests
+# (tests/test_stability.py) share these.
+DRILL_MONITORS = [
+    "rollback.snapshot_every=2",
+    "rollback.durable_every=0",
+    "monitor.grad_spike.warmup=6",
+    "monitor.grad_spike.window=20",
+    "monitor.grad_spike.min_ratio=100",
+    "monitor.grad_spike.action=rollback",
+    "monitor.loss_spike.enabled=false",
+]
 COMMON = [
     f"trainer.max_steps={STEPS}",
     "trainer.log_every_n_steps=1",
@@ -37,13 +49,7 @@ COMMON = [
     "model.block_size=64",
     "optim.warmup_steps=2",
     "logger=none",
-    "rollback.snapshot_every=2",
-    "rollback.durable_every=0",
-    "monitor.grad_spike.warmup=6",
-    "monitor.grad_spike.window=20",
-    "monitor.grad_spike.min_ratio=100",
-    "monitor.grad_spike.action=rollback",
-    "monitor.loss_spike.enabled=false",
+    *DRILL_MONITORS,
     "monitor.replicas.every=4",
 ]
 DRIFT = [

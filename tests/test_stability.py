@@ -19,19 +19,16 @@ from stabilize.train import run
 
 from conftest import FAST, ROOT, compose_run, read_csv_metrics, run_cli, series
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from drills import DRILL_MONITORS  # noqa: E402  (the fault drills' monitor settings)
+
 BASE = [
     *FAST,
     "logger=none",
     "trainer.max_steps=14",
     "trainer.val_check_interval=100",
     "trainer.checkpoint_every_n_steps=100",
-    "rollback.snapshot_every=2",
-    "rollback.durable_every=0",
-    "monitor.grad_spike.warmup=6",
-    "monitor.grad_spike.window=20",
-    "monitor.grad_spike.min_ratio=100",
-    "monitor.grad_spike.action=rollback",
-    "monitor.loss_spike.enabled=false",
+    *DRILL_MONITORS,
 ]
 
 
