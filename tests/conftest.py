@@ -74,6 +74,16 @@ def run_cli(args, cwd, env=None, timeout=600):
     return subprocess.run(args, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
 
 
+def launch_sh(run_dir, *overrides: str, cwd, nproc: int = 2, env=None):
+    """``scripts/launch.sh --nproc-per-node N OVERRIDES...`` (torchrun on CPU, gloo), every
+    rank writing to ``run_dir`` (``$STABILIZE_RUN_DIR``); the CompletedProcess."""
+    return run_cli(
+        [str(ROOT / "scripts" / "launch.sh"), "--nproc-per-node", str(nproc), *overrides],
+        cwd=cwd,
+        env={**(env or {}), "STABILIZE_RUN_DIR": str(run_dir)},
+    )
+
+
 @pytest.fixture
 def fast():
     return list(FAST)

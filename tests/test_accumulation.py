@@ -12,7 +12,7 @@ import torch
 from stabilize.data.sampler import StepSampler
 from stabilize.train import run
 
-from conftest import FAST, ROOT, compose_run, read_csv_metrics, run_cli, series
+from conftest import FAST, compose_run, launch_sh, read_csv_metrics, series
 
 A = 4  # micro-batches per optimizer step
 COMMON = [
@@ -169,23 +169,18 @@ def test_torchrun_accumulation_rollback_on_both_ranks_keeps_replicas_identical(t
     together, replay on whole windows and end with identical replicas."""
     run_dir = tmp_path / "run"
     args = [a for a in COMMON if not a.startswith("trainer.progress")]
-    r = run_cli(
-        [
-            str(ROOT / "scripts" / "launch.sh"),
-            "--nproc-per-node",
-            "2",
-            *args,
-            "trainer.accelerator=cpu",
-            "data.batch_size=2",
-            "optim.accumulate_grad_batches=2",
-            "fault=nan_loss",
-            "fault.step=6",
-            "fault.rank=1",
-            "rollback.ladder=[skip_data]",
-            "rollback.skip_batches=3",
-        ],
+    r = launch_sh(
+        run_dir,
+        *args,
+        "trainer.accelerator=cpu",
+        "data.batch_size=2",
+        "optim.accumulate_grad_batches=2",
+        "fault=nan_loss",
+        "fault.step=6",
+        "fault.rank=1",
+        "rollback.ladder=[skip_data]",
+        "rollback.skip_batches=3",
         cwd=tmp_path,
-        env={"STABILIZE_RUN_DIR": str(run_dir)},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (done,) = events(run_dir, "rollback")

@@ -30,7 +30,7 @@ from stabilize.data import (
 from stabilize.model import GPT
 from stabilize.train import run
 
-from conftest import FAST, ROOT, compose_run, read_csv_metrics, run_cli, series
+from conftest import FAST, compose_run, launch_sh, read_csv_metrics, run_cli, series
 
 TEXTS = list(embedded_corpus()["text"])  # CPython's pydoc topics: ~465k characters of prose
 
@@ -78,11 +78,7 @@ def test_two_ranks_train_bpe_through_one_cache_built_once_and_resume_exactly(tmp
     env = {"HF_DATASETS_CACHE": str(tmp_path / "hf_cache")}
 
     def launch(run_dir, *extra):
-        r = run_cli(
-            [str(ROOT / "scripts" / "launch.sh"), "--nproc-per-node", "2", *common, *extra],
-            cwd=tmp_path,
-            env={**env, "STABILIZE_RUN_DIR": str(run_dir)},
-        )
+        r = launch_sh(run_dir, *common, *extra, cwd=tmp_path, env=env)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         logs = {p.name: p.read_text() for p in run_dir.glob("*.log")}
         assert len(logs) == 2, logs.keys()  # one per rank

@@ -16,7 +16,7 @@ from stabilize.model import GPT
 from stabilize.rollback.dcp import load_sharded
 from stabilize.train import run
 
-from conftest import FAST, ROOT, compose_run, read_csv_metrics, run_cli
+from conftest import FAST, compose_run, launch_sh, read_csv_metrics
 
 BASE = [
     *[a for a in FAST if not a.startswith("trainer.progress")],
@@ -40,11 +40,7 @@ def losses(run_dir) -> dict[int, float]:
 
 
 def launch(run_dir: Path, nproc: int, args: list[str], cwd: Path):
-    r = run_cli(
-        [str(ROOT / "scripts" / "launch.sh"), "--nproc-per-node", str(nproc), *args],
-        cwd=cwd,
-        env={"STABILIZE_RUN_DIR": str(run_dir)},
-    )
+    r = launch_sh(run_dir, *args, cwd=cwd, nproc=nproc)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 

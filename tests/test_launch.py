@@ -14,24 +14,19 @@ import torch
 from stabilize.io import atomic_torch_save
 from stabilize.wandb_offline import find_offline_runs, read_offline_run
 
-from conftest import FAST, ROOT, run_cli
+from conftest import FAST, ROOT, launch_sh, run_cli
 
 SMALL = [o for o in FAST if not o.startswith("trainer.progress")] + ["trainer.accelerator=cpu"]
 
 
 def test_torchrun_two_ranks_share_one_run_and_stay_identical(tmp_path):
     run_dir = tmp_path / "run"
-    r = run_cli(
-        [
-            str(ROOT / "scripts" / "launch.sh"),
-            "--nproc-per-node",
-            "2",
-            *SMALL,
-            "trainer.max_steps=6",
-            "name=ddp",
-        ],
+    r = launch_sh(
+        run_dir,
+        *SMALL,
+        "trainer.max_steps=6",
+        "name=ddp",
         cwd=tmp_path,
-        env={"STABILIZE_RUN_DIR": str(run_dir)},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # one output dir for both ranks
@@ -142,23 +137,18 @@ def test_launch_keeps_exit_code_3_of_a_stability_abort_on_two_ranks(tmp_path):
     """A persistent fault exhausts the ladder on every rank: launch.sh exits 3 (torchrun
     alone exits 1 with a ChildFailedError traceback), with the diagnosis and one summary."""
     run_dir = tmp_path / "run"
-    r = run_cli(
-        [
-            str(ROOT / "scripts" / "launch.sh"),
-            "--nproc-per-node",
-            "2",
-            *SMALL,
-            "logger=none",
-            "trainer.max_steps=8",
-            "trainer.val_check_interval=100",
-            "rollback.snapshot_every=2",
-            "fault=nan_loss",
-            "fault.step=4",
-            "fault.persistent=true",
-            "rollback.ladder=[retry]",
-        ],
+    r = launch_sh(
+        run_dir,
+        *SMALL,
+        "logger=none",
+        "trainer.max_steps=8",
+        "trainer.val_check_interval=100",
+        "rollback.snapshot_every=2",
+        "fault=nan_loss",
+        "fault.step=4",
+        "fault.persistent=true",
+        "rollback.ladder=[retry]",
         cwd=tmp_path,
-        env={"STABILIZE_RUN_DIR": str(run_dir)},
     )
     assert r.returncode == 3, r.stdout[-3000:] + r.stderr[-3000:]
     assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr
@@ -167,18 +157,13 @@ def test_launch_keeps_exit_code_3_of_a_stability_abort_on_two_ranks(tmp_path):
 
 
 def test_launch_exits_2_on_a_config_error_and_writes_nothing(tmp_path):
-    r = run_cli(
-        [
-            str(ROOT / "scripts" / "launch.sh"),
-            "--nproc-per-node",
-            "2",
-            *SMALL,
-            "fault=nan_loss",
-            "fault.step=2",
-            "fault.rank=2",  # a rank this 2-process launch does not have
-        ],
+    r = launch_sh(
+        tmp_path / "run",
+        *SMALL,
+        "fault=nan_loss",
+        "fault.step=2",
+        "fault.rank=2",  # a rank this 2-process launch does not have
         cwd=tmp_path,
-        env={"STABILIZE_RUN_DIR": str(tmp_path / "run")},
     )
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Traceback" not in r.stderr

@@ -11,7 +11,7 @@ import torch
 from stabilize.rollback import to_cpu
 from stabilize.rollback.sharded import Layout, ShardedState, Sharder, host_bytes
 
-from conftest import FAST, ROOT, run_cli
+from conftest import FAST, ROOT, launch_sh, run_cli
 
 
 def _flat(tree) -> dict:
@@ -100,25 +100,20 @@ def test_nan_on_rank_1_is_rolled_back_from_sharded_snapshots(tmp_path):
     replicas end identical (replicas.json); rank 0's durable snapshots stay whole."""
     run_dir = tmp_path / "run"
     args = [a for a in FAST if not a.startswith("trainer.progress")]
-    r = run_cli(
-        [
-            str(ROOT / "scripts" / "launch.sh"),
-            "--nproc-per-node",
-            "2",
-            *args,
-            "logger=none",
-            "trainer.accelerator=cpu",
-            "trainer.max_steps=8",
-            "trainer.val_check_interval=100",
-            "rollback.snapshot_every=2",
-            "rollback.durable_every=4",
-            "rollback.ladder=[retry]",
-            "fault=nan_loss",
-            "fault.step=5",
-            "fault.rank=1",
-        ],
+    r = launch_sh(
+        run_dir,
+        *args,
+        "logger=none",
+        "trainer.accelerator=cpu",
+        "trainer.max_steps=8",
+        "trainer.val_check_interval=100",
+        "rollback.snapshot_every=2",
+        "rollback.durable_every=4",
+        "rollback.ladder=[retry]",
+        "fault=nan_loss",
+        "fault.step=5",
+        "fault.rank=1",
         cwd=tmp_path,
-        env={"STABILIZE_RUN_DIR": str(run_dir)},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "snapshots sharded: each of 2 ranks keeps 1/2" in r.stdout + r.stderr

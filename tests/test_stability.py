@@ -17,7 +17,7 @@ from stabilize.lit.stability import StabilityAbort
 from stabilize.rollback import load_durable
 from stabilize.train import run
 
-from conftest import FAST, ROOT, compose_run, read_csv_metrics, run_cli, series
+from conftest import FAST, ROOT, compose_run, launch_sh, read_csv_metrics, run_cli, series
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from drills import DRILL_MONITORS  # noqa: E402  (the fault drills' monitor settings)
@@ -316,19 +316,14 @@ def test_torchrun_fault_on_rank_1_is_classified_and_rolls_back_every_rank(
 ):
     run_dir = tmp_path / "run"
     args = [a for a in BASE if not a.startswith("trainer.progress")]
-    r = run_cli(
-        [
-            str(ROOT / "scripts" / "launch.sh"),
-            "--nproc-per-node",
-            "2",
-            *args,
-            "trainer.accelerator=cpu",
-            "trainer.max_steps=12",
-            *fault,
-            "fault.rank=1",
-        ],
+    r = launch_sh(
+        run_dir,
+        *args,
+        "trainer.accelerator=cpu",
+        "trainer.max_steps=12",
+        *fault,
+        "fault.rank=1",
         cwd=tmp_path,
-        env={"STABILIZE_RUN_DIR": str(run_dir)},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     evs = events(run_dir)
