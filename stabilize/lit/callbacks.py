@@ -77,7 +77,9 @@ def params_digest(module: torch.nn.Module) -> str:
     for name, p in sorted(module.named_parameters()):
         h.update(name.encode())
         p = p.to_local() if hasattr(p, "to_local") else p  # FSDP2: this rank's shard
-        h.update(p.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())
+        # reshape(-1): a 0-dim parameter (ScaleNorm's scalar gain) cannot be viewed as bytes
+        p = p.detach().to("cpu", copy=True).contiguous().reshape(-1)
+        h.update(p.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
