@@ -228,6 +228,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     """Measure every group, print the table and the targets, optionally write them out."""
     args = parse_args(argv)
+    # auto is measured with the fused kernel, built first if need be, not with the fallback a
+    # run uses while the kernel builds in the background (stabilize/cpu_kernels.py)
+    os.environ.setdefault("STABILIZE_KERNEL_WAIT", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
     t0, rows, load0, n = time.perf_counter(), [], load_average(), torch.get_num_threads()

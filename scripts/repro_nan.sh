@@ -43,6 +43,9 @@ for arm in "${list[@]}"; do
 done
 mkdir -p "$out"
 start=$SECONDS
+# the fused CPU kernel before the first arm, so no arm starts on the fallback while it builds
+# in the background (a no-op once built; if it cannot be built, every arm falls back alike)
+"${PYTHON:-python}" -m stabilize.cpu_kernels build >&2 || true
 for i in "${!list[@]}"; do
   arm="${list[$i]}"
   echo "[$((i + 1))/${#list[@]}] arm=$arm -> $out/$arm ($((SECONDS - start)) s so far)" >&2

@@ -19,6 +19,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A run that needs the fused CPU kernel builds it first rather than falling back while a
+# background build runs, so a run's norm backend never changes mid-run (stabilize/cpu_kernels.py).
+os.environ.setdefault("STABILIZE_KERNEL_WAIT", "1")
 
 # Overrides that make any config a few-second CPU run.
 FAST = [

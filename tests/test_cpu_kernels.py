@@ -1,14 +1,19 @@
 """The fused CPU RMSNorm/ScaleNorm kernel against independent references (float64 formulas
 written here, F.rms_norm), and the rules that decide when it runs or falls back.
 
-The kernel is built once per session (~30-40 s cold, then cached on disk); without a C++
-compiler or ninja the numeric tests skip and the fallback tests still run."""
+The kernel is built once per session (~30-40 s cold, then cached on disk; conftest sets
+STABILIZE_KERNEL_WAIT, so runs wait for it); without a C++ compiler or ninja the numeric tests
+skip and the fallback tests still run."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,12 +220,99 @@ def test_a_failed_build_falls_back_with_its_reason(tmp_path, monkeypatch, caplog
 
 def test_auto_falls_back_to_compiled_when_the_kernel_is_unavailable(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "ready", lambda start=True: None)
     monkeypatch.setattr(cpu_kernels, "_reason", "ninja not found")
     expect = "compiled" if has_cpp_compiler() else "explicit"
     assert auto_backend("rmsnorm", "cpu") == expect
     norm = build_norm(8, NormConfig(type="rmsnorm", backend="fused"))
     with pytest.raises(RuntimeError, match="could not be built \\(ninja not found\\)"):
         norm.resolve_backend(torch.randn(2, 8))
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """cpu_kernels as in a new process with nothing built (its build dir under tmp_path), and
+    runs that do not wait for the build (conftest's STABILIZE_KERNEL_WAIT removed)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("STABILIZE_KERNEL_WAIT", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for name, value in [("_loaded", []), ("_builder", None), ("_announced", False)]:
+        monkeypatch.setattr(cpu_kernels, name, value)
+    monkeypatch.setattr(cpu_kernels, "_reason", None)
+    monkeypatch.setattr(cpu_kernels, "_next_poll", {True: 0.0, False: 0.0})
+    monkeypatch.setattr(cpu_kernels, "_POLL_S", 0.0)
+    return tmp_path
+
+
+class FakeBuild:
+    """The background build process: running until ``rc`` is set."""
+
+    def __init__(self):
+        self.rc, self.started = None, 0
+
+    def spawn(self):
+        self.started += 1
+        return self
+
+    def poll(self):
+        return self.rc
+
+
+def test_a_run_never_waits_for_the_build_and_says_so_once(fresh, monkeypatch, capsys):
+    if cpu_kernels.missing_tools():
+        pytest.skip(f"no build tools: {cpu_kernels.missing_tools()}")
+    proc = FakeBuild()
+    monkeypatch.setattr(cpu_kernels, "_spawn", proc.spawn)
+    x, out = torch.randn(10), torch.zeros(1)
+    cpu_kernels.absmax_into(x, out, 0)  # the monitors' statistic never starts a build
+    assert proc.started == 0 and out.item() == x.abs().max().item()
+    assert cpu_kernels.ready() is None and cpu_kernels.ready() is None  # no wait, one build
+    assert auto_backend("rmsnorm", "cpu") == ("compiled" if has_cpp_compiler() else "explicit")
+    assert proc.started == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "in the background" in err[0] and cpu_kernels.AHEAD in err[0]
+    assert cpu_kernels.unavailable_reason() is None  # still building: not a failure
+    (fresh / cpu_kernels._NAME).mkdir()
+    (fresh / cpu_kernels._NAME / "build.log").write_text("...\nc++: error: boom\n")
+    proc.rc = 1
+    assert cpu_kernels.ready() is None and not cpu_kernels.available()  # once, for good
+    assert "background build failed (exit 1: c++: error: boom" in cpu_kernels.unavailable_reason()
+    assert proc.started == 1
+
+
+def test_a_built_kernel_is_picked_up_without_a_build(kernel, monkeypatch):
+    """Built on disk (by this session, or ahead): ready() and absmax_into load it."""
+    monkeypatch.delenv("STABILIZE_KERNEL_WAIT", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", [])
+    monkeypatch.setattr(cpu_kernels, "_next_poll", {True: 0.0, False: 0.0})
+    monkeypatch.setattr(cpu_kernels, "_spawn", lambda: pytest.fail("no build: it is built"))
+    assert cpu_kernels.is_built()
+    out = torch.zeros(1)
+    cpu_kernels.absmax_into(torch.tensor([1.0, -3.0]), out, 0)
+    assert out.item() == 3.0 and cpu_kernels._loaded[0].__file__ == kernel.__file__
+    assert cpu_kernels.ready().__file__ == kernel.__file__
+
+
+@pytest.mark.slow
+def test_the_background_build_finishes_and_the_run_switches_to_it(tmp_path):
+    """A real build in a fresh extensions dir: ready() returns at once, then the kernel."""
+    if cpu_kernels.missing_tools():
+        pytest.skip(f"no build tools: {cpu_kernels.missing_tools()}")
+    probe = (
+        "import time; from stabilize import cpu_kernels as k\n"
+        "t0 = time.monotonic(); assert k.ready() is None; print('first', time.monotonic() - t0)\n"
+        "while k.ready() is None and k.unavailable_reason() is None: time.sleep(1)\n"
+        "print('built', time.monotonic() - t0, k.ready().__file__)\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    env.pop("STABILIZE_KERNEL_WAIT")
+    r = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, built = r.stdout.splitlines()
+    assert float(first.split()[1]) < 5 and "in the background" in r.stderr
+    assert Path(built.split()[2]).is_relative_to(tmp_path)
 
 
 def test_auto_picks_fused_only_where_it_can_run(kernel):

@@ -107,6 +107,7 @@ def test_the_wheel_carries_every_config(venv):
     # every package of the tree (a directory with an __init__.py) is in the wheel
     packages = {p.parent.relative_to(REPO).as_posix() for p in REPO.glob("stabilize/**/*.py")}
     assert {f"{p}/__init__.py" for p in packages} <= names
+    assert "stabilize/csrc/cpu_kernels.cpp" in names  # the fused CPU kernel's source
 
 
 def test_the_installed_package_is_the_venvs(venv):
@@ -159,17 +160,13 @@ def test_config_dir_is_the_override_else_the_checkouts(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_the_fused_cpu_kernel_builds_from_the_installed_package(venv, tmp_path):
-    """The C++ source is a string in cpu_kernels.py: the build reads no repo file (minutes:
-    a fresh build directory, so nothing is taken from the cache)."""
+    """The C++ source ships in the wheel (stabilize/csrc/): the build command reads no repo
+    file (minutes: a fresh build directory, so nothing is taken from the cache)."""
     from stabilize import cpu_kernels
 
     if cpu_kernels.missing_tools():
         pytest.skip(f"no build tools: {cpu_kernels.missing_tools()}")
-    probe = (
-        "from stabilize import cpu_kernels as k\n"
-        "assert k.available(), k.unavailable_reason()\n"
-        "print(k.load().__file__)"
-    )
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    built = Path(venv.run(venv.python, "-c", probe, env=env).stdout.split()[-1])
+    out = venv.run(venv.python, "-m", "stabilize.cpu_kernels", "build", env=env).stdout
+    built = Path(out.split()[-3])  # "fused CPU RMSNorm kernel: PATH (N s)"
     assert built.is_relative_to(tmp_path) and built.suffix == ".so"

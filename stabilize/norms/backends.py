@@ -9,13 +9,14 @@
   fp32 internally, so the same restriction as ``torch`` applies.
 - ``apex``: the type's ``apex_forward``, NVIDIA apex's fused kernels (CUDA only; fp32
   statistics).
-- ``fused``: the type's ``fused_forward``, stabilize.cpu_kernels' C++ kernel JIT-built on
-  first use (CPU only; fp32 statistics; fp32/bf16/fp16 inputs; RMSNorm and ScaleNorm).
+- ``fused``: the type's ``fused_forward``, stabilize.cpu_kernels' C++ kernel, built on first
+  use unless built ahead (CPU only; fp32 statistics; fp32/bf16/fp16 inputs; RMSNorm and
+  ScaleNorm).
 - ``auto``: the fastest backend that honours the setting on the device at hand. On CPU,
   ``F.rms_norm`` is unfused (6-21x slower than ``F.layer_norm`` in 16-bit and ~3-5x in
   fp32 at [4096, 2048] fwd+bwd, torch 2.13), so auto runs a type with a ``fused_forward``
-  there, else (no compiler or ninja, a failed build, fp64 input, inside torch.compile)
-  ``compiled``; scripts/bench_norms.py measures it.
+  there, else (no compiler or ninja, a failed build or one still running in the background,
+  fp64 input, inside torch.compile) ``compiled``; scripts/bench_norms.py measures it.
 
 What "reduce in fp16" means here: the statistics are *stored* in the reduction dtype, as
 eager PyTorch computes them in a hand-written fp16 norm (``torch.sum`` accumulates in fp32
@@ -137,10 +138,11 @@ def auto_backend(kind: str, device_type: str, dtype: torch.dtype | None = None) 
     """The fastest backend for a norm whose reduction a fused kernel can honour.
 
     PyTorch's own kernel where it is fast: on CUDA, and everywhere for a type that says so
-    (``torch_on_every_device``: LayerNorm). On CPU
-    the first call for a type with a ``fused_forward`` builds the fused kernel (once,
-    ~30-40 s cold). Inside torch.compile it is skipped: an opaque C++ call would break the
-    graph, and the compiled explicit form traces into it instead.
+    (``torch_on_every_device``: LayerNorm). On CPU, for a type with a ``fused_forward``,
+    the fused kernel once it is built (``cpu_kernels.ready``: the first call starts the build
+    in the background and this falls back until it is done). Inside torch.compile it is
+    skipped: an opaque C++ call would break the graph, and the compiled explicit form traces
+    into it instead.
     """
     spec = get_norm_type(kind)
     if spec.supports("torch") and (spec.torch_on_every_device or device_type == "cuda"):
@@ -151,7 +153,7 @@ def auto_backend(kind: str, device_type: str, dtype: torch.dtype | None = None) 
         spec.supports("fused")
         and dtype in (None, *cpu_kernels.DTYPES)
         and not torch.compiler.is_compiling()
-        and cpu_kernels.available()
+        and cpu_kernels.ready() is not None
     ):
         return "fused"
     return "compiled" if has_cpp_compiler() else "explicit"
