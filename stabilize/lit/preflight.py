@@ -56,14 +56,6 @@ def build_config(values: dict[str, Any]) -> RunConfig:
         return RunConfig.from_dict(values)
 
 
-def check_and_build(values: dict[str, Any]) -> RunConfig:
-    """What ``stabilize-train`` checks before it writes anything: the config, then the
-    start-up checks. Raises ``ConfigError``."""
-    cfg = build_config(values)
-    preflight(cfg)
-    return cfg
-
-
 def world_size(cfg: RunConfig) -> int:
     """Processes in this launch: torchrun's ``WORLD_SIZE``, else devices x nodes."""
     from stabilize.lit.build import LaunchEnv  # Lightning: not on the config-error path

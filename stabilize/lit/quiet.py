@@ -51,13 +51,6 @@ class _DropNoise(logging.Filter):
         return not any(p.match(msg) for p in self.patterns)
 
 
-def is_noise(logger: str, message: str) -> bool:
-    """Would ``quiet`` drop this log message of ``logger``? (For tests and docs.)"""
-    return not _DropNoise(NOISE_LOGS.get(logger, ())).filter(
-        logging.LogRecord(logger, logging.INFO, "", 0, message, None, None)
-    )
-
-
 @contextmanager
 def quiet(verbose: bool = False) -> Iterator[None]:
     """Inside: the known noise is dropped (nothing, with ``verbose``). Everything is put

@@ -7,7 +7,7 @@ The GPT-3 sizes follow Brown et al. 2020, Table 2.1 (125M, 350M, 760M, 1.3B), wi
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stabilize.norms import NormConfig
@@ -75,9 +75,6 @@ class GPTConfig:
         """A named size, with any field overridden (``norm`` may be a dict or NormConfig)."""
         check_choice("model.preset", name, PRESETS)
         return cls(**{"name": name, **PRESETS[name], **overrides})
-
-    def with_norm(self, **norm_overrides: Any) -> GPTConfig:
-        return replace(self, norm=replace(self.norm, **norm_overrides))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
