@@ -1,6 +1,7 @@
 """Host memory of the snapshot ring and the disk the run writes (docs/memory.md).
 
-A snapshot (stabilize/lit/stability.py) is the model's state dict, the optimizer's and small
+A snapshot (taken by stabilize/lit/stability/controller.py, kept by
+stabilize/rollback/snapshots.py) is the model's state dict, the optimizer's and small
 host-side state: the weights and AdamW's two moments in the parameters' dtype, plus one fp32
 ``step`` per parameter tensor; a tied weight is copied once (``rollback.to_cpu``). A
 Lightning checkpoint holds the same tensors, so it is the same size.

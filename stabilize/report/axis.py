@@ -7,11 +7,12 @@ rolled-back attempt is not hidden: it becomes its own piece, drawn faded from th
 step to where it was abandoned; the kept trajectory, what the model that finished went
 through, is one line.
 
-How a rollback shows in the logs (``stabilize/lit/stability.py``, issue 16): at the global
-step of a rollback, the stability row says the attempted step while the module's row,
-written after the restore, says the restored one; the batch Lightning fetched before the
-restore is then logged once more at the restored step without being trained on (a stale
-batch). The events file names the global step, the attempted step and the restored one.
+How a rollback shows in the logs (``stabilize/lit/stability/``: ``sink.py`` writes the
+stability row, ``controller.py`` restores; issue 16): at the global step of a rollback, the
+stability row says the attempted step while the module's row, written after the restore,
+says the restored one; the batch Lightning fetched before the restore is then logged once
+more at the restored step without being trained on (a stale batch). The events file names
+the global step, the attempted step and the restored one.
 """
 
 from __future__ import annotations
