@@ -192,7 +192,8 @@ def _spawn() -> subprocess.Popen:
     out = build_dir()
     os.makedirs(out, exist_ok=True)
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")]))
+    paths = [pkg_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))  # this very package
     with open(os.path.join(out, "build.log"), "w") as logf:
         return subprocess.Popen(
             [sys.executable, "-m", "stabilize.cpu_kernels", "build"],
@@ -227,9 +228,13 @@ def ready(start: bool = True):
             if missing_tools():
                 _loaded[:] = [build()]  # None at once, with the reason
                 return None
-            _builder = _spawn()
+            try:
+                _builder = _spawn()
+            except OSError as e:  # no process to build in: fall back, as for a failed build
+                _loaded[:] = [_fail(f"could not start the build: {e}")]
+                return None
             _announce("in the background; the torch fallback runs until it is done")
-        elif (rc := _builder.poll()) is not None and not _loaded:  # exited, no library
+        elif (rc := _builder.poll()) not in (None, 0) and not _loaded:  # failed: no library
             logf = Path(build_dir(), "build.log")
             text = logf.read_text(errors="replace").strip() if logf.exists() else ""
             last = (text.splitlines() or ["no log"])[-1]
