@@ -1,8 +1,9 @@
-"""The NaN scenario end to end: every arm of configs/experiment/nan_repro.yaml, shortened
-(the drift starts at step 10 and crosses 256 at step 25, 50 steps in all), trained for real
-with W&B offline files; then the report is read back from those run directories.
+"""The NaN scenario end to end: the healthy reference (two seeds) and every arm of
+configs/experiment/nan_repro.yaml, shortened (the stream drift starts at step 8 and reaches
+1e4 at step 20, 40 steps in all), trained for real with W&B offline files; then the report
+is read back from those run directories and its verdicts held against their numbers.
 
-The full-length scenario (scripts/repro_nan.sh, ~1 min per arm) is the `slow` case at the end.
+The full-length scenario (scripts/repro_nan.sh) is the `slow` case at the end.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from stabilize.wandb_offline import find_offline_runs, read_offline_run
 from conftest import ROOT, compose_run, run_cli
 
 ARMS = ["baseline", "fp32_reduction", "bf16", "large_eps", "remedy"]
-CROSS, START, STEPS = 25, 10, 50
+REF_SEEDS = (1234, 1235)  # the healthy reference, twice: a seed band to judge gaps by
+START, TARGET, STEPS = 8, 20, 40
+D = 128  # the tiny GPT's width: an fp16 sum of D squares overflows once a row's RMS > LINE
+LINE = (65504 / D) ** 0.5  # 22.62, by hand
 SHORT = [
     "experiment=nan_repro",
     f"trainer.max_steps={STEPS}",
     f"fault.step={START}",
-    f"fault.cross_step={CROSS}",
+    f"fault.target_step={TARGET}",
     "trainer.log_every_n_steps=1",
     f"trainer.val_check_interval={STEPS}",
     "trainer.limit_val_batches=2",
@@ -37,6 +41,7 @@ SHORT = [
     "trainer.progress=none",
     "audit.every=5",
     "data.batch_size=4",
+    "trainer.final_eval_batches=8",  # fp16 forwards are slow on CPU: part of the split
 ]
 
 
@@ -44,13 +49,16 @@ SHORT = [
 def arms(tmp_path_factory):
     root = tmp_path_factory.mktemp("nan_repro")
     dirs = {}
-    for arm in ARMS:
-        d = root / arm
+    plan = [(f"reference-seed{s}", "reference", s) for s in REF_SEEDS]
+    plan += [(a, a, REF_SEEDS[0]) for a in ARMS]
+    for name, arm, seed in plan:
+        d = root / name
         try:
-            run(compose_run(d, [*SHORT, f"arm={arm}"]))
+            run(compose_run(d, [*SHORT, f"arm={arm}", f"seed={seed}"]))
         except Exception as e:  # an arm may stop (e.g. an abort): the report says so
             (d / "crash.txt").write_text(repr(e))
-        dirs[arm] = d
+        dirs[name] = d
+    dirs["reference"] = dirs[f"reference-seed{REF_SEEDS[0]}"]
     return dirs
 
 
@@ -59,78 +67,95 @@ def events(d, monitor=None):
     return [e for e in evs if monitor is None or e["monitor"] == monitor]
 
 
-def act(d, layer="h.0"):
-    """{model step: |x| max after block 0}, from the CSV log (every step here)."""
+def metric(d, key):
+    """{model step: value} from the CSV log (every step here)."""
     r = load_run_dir(d)
-    return {int(row["train/step"]): row[f"act/{layer}"] for row in r.rows if f"act/{layer}" in row}
+    return {int(row["train/step"]): row[key] for row in r.rows if key in row}
 
 
-def test_baseline_overflows_exactly_at_the_configured_step_and_the_chain_is_recorded(arms):
-    d = arms["baseline"]
+def act(d, layer="h.0"):
+    return metric(d, f"act/{layer}")
+
+
+NORMS = ["h.0.ln_1", "h.0.ln_2", "h.1.ln_1", "h.1.ln_2", "ln_f"]
+
+
+def test_baseline_trains_like_the_reference_then_overflows_in_the_forward_then_nan(arms):
+    d, ref = arms["baseline"], arms["reference"]
     assert not (d / "crash.txt").exists()
-    a = act(d)
-    assert a[CROSS - 1] < 256 < a[CROSS]  # the drift crosses the line on the chosen step
+    # until the drift, the baseline IS the reference (same seed, no init-time failure):
+    # bit-identical losses, the same loss-scale calibration skips
+    loss, ref_loss = metric(d, "train/loss"), metric(ref, "train/loss")
+    assert all(loss[s] == ref_loss[s] for s in range(1, START)), (loss, ref_loss)
+    assert loss[START - 1] < loss[1] - 0.5  # and it was learning
     over = events(d, "overflow")
-    assert over and over[0]["step"] == CROSS  # ... and the first overflow is there, not before
+    assert over and over[0]["step"] > START
+    first = over[0]["step"]
+    # the forward overflow, against the hand-computed line: a row's fp16 sum of squares
+    # passes 65504 once its RMS passes sqrt(65504 / 128) = 22.62. Every norm input was below
+    # it the step before; at the first overflow one was past it, or its fp16 statistic was
+    # inf (a non-finite RMS is not logged), and that norm is the one the event names
+    rms = {n: metric(d, f"rms/{n}") for n in NORMS}
+    assert max(rms[n][first - 1] for n in NORMS) < LINE
+    past = {n for n in NORMS if first not in rms[n] or rms[n][first] > LINE}
+    assert past and over[0]["layer"] in past, (past, over[0])
     assert over[0]["extra"]["collapsed"] > 0  # its rows came out as zeros: dead tokens
-    evs = events(d)
-    warn = next(i for i, e in enumerate(evs) if e["monitor"] == "activation")
-    first_over = next(i for i, e in enumerate(evs) if e["monitor"] == "overflow")
-    assert evs[warn]["step"] == CROSS and warn < first_over  # the 256 warning is logged first
-    # The NaN is a later link: it comes when the residual itself passes fp16's max (its cast
-    # to fp16 in the next norm is inf, and inf * rsqrt(inf) = inf * 0 = NaN), not at the overflow
-    nan = events(d, "nonfinite")
-    assert nan, "no non-finite value recorded"
-    first_past_max = min(s for s, v in a.items() if not v < 65504)
-    assert nan[0]["step"] == first_past_max > CROSS
-    # eps 1e-5: the fp16 reduction's backward overflows at init (embeddings' RMS ~0.03), so
-    # the GradScaler skips every step before the drift: measured, not assumed
+    assert max(act(d).values()) < 65504  # the drift levels off at the seed's ~1e4
+    # the gradients go non-finite only after the overflow (a GradScaler skip at or after it)
+    s = summarize(load_run_dir(d))
+    assert s.first_grad_nonfinite is not None and s.first_grad_nonfinite >= first
+    ref_skips = {e["step"] for e in events(ref, "loss_scale") if e["kind"] == "skip"}
     skips = {e["step"] for e in events(d, "loss_scale") if e["kind"] == "skip"}
-    assert set(range(1, START)) <= skips
+    assert {x for x in skips if x < first} == {x for x in ref_skips if x < first}
     audits = [json.loads(x) for x in (d / "audit.jsonl").read_text().splitlines()]
-    assert all(x["dead_share"] == 0 for x in audits if x["step"] < CROSS)
-    assert any(x["dead_share"] > 0 for x in audits if x["step"] >= CROSS)
+    assert all(x["dead_share"] == 0 for x in audits if x["step"] < first)
+    assert any(x["dead_share"] > 0 for x in audits if x["step"] >= first)
 
 
-def test_fp32_reduction_has_no_overflow_and_no_dead_token_under_the_same_drift(arms):
+def test_fp32_reduction_has_no_overflow_and_trains_like_the_reference(arms):
     d = arms["fp32_reduction"]
     a = act(d)
-    assert a[CROSS - 1] < 256 < a[CROSS] and max(a.values()) > 65504  # the same drift
+    assert max(a[s] for s in range(1, START)) < 256 < max(a.values())  # the same drift
     assert events(d, "overflow") == [] and events(d, "nonfinite") == []
     audits = [json.loads(x) for x in (d / "audit.jsonl").read_text().splitlines()]
     assert audits and all(x["dead_share"] == 0 and x["nonfinite_share"] == 0 for x in audits)
     assert json.loads((d / "result.json").read_text())["status"] == "done"
+    bpb = json.loads((d / "final_eval.json").read_text())["bpb"]
+    ref = json.loads((arms["reference"] / "final_eval.json").read_text())["bpb"]
+    assert abs(bpb - ref) < 0.1, (bpb, ref)  # the drift is invisible to a 32-bit reduction
 
 
-def test_bf16_survives_but_pays_in_precision(arms):
+def test_bf16_survives_but_pays_in_precision_at_the_drifts_magnitude(arms):
     bf, fp = summarize(load_run_dir(arms["bf16"])), summarize(load_run_dir(arms["fp32_reduction"]))
     assert bf.first_overflow is None and bf.first_nonfinite is None
     # 8 significant bits against fp16's 11: outputs rounded ~8x coarser
     assert bf.rel_err > 3 * fp.rel_err, (bf.rel_err, fp.rel_err)
     assert 2**-12 < bf.rel_err < 2**-6
+    audits = [json.loads(x) for x in (arms["bf16"] / "audit.jsonl").read_text().splitlines()]
+    drifted = [x["rel_err_median"] for x in audits if x["step"] >= TARGET]
+    assert drifted and all(2**-12 < e < 2**-6 for e in drifted)
 
 
-def test_large_eps_lets_training_start_but_does_not_rescue_the_overflowed_sum(arms):
+def test_large_eps_does_not_rescue_the_overflowed_sum_and_flattens_small_rows(arms):
     eps, base = (
         summarize(load_run_dir(arms["large_eps"])),
         summarize(load_run_dir(arms["baseline"])),
     )
     assert eps.eps == 1e-3 and base.eps == 1e-5
-    assert base.early_skip_share == 1.0 and base.never_trained
-    assert eps.early_skip_share < 0.5 and not eps.never_trained
-    assert eps.first_overflow == CROSS and eps.dead_tokens > 0  # inf + eps is still inf
-    assert eps.first_nonfinite is not None
+    assert not base.never_trained and not eps.never_trained
+    assert eps.first_overflow == base.first_overflow and eps.dead_tokens > 0  # inf + eps = inf
+    assert eps.first_grad_nonfinite is not None
+    assert eps.flattened > 0 and (base.flattened or 0) == 0  # what eps 1e-3 does before it
 
 
-def test_remedy_answers_the_drift_and_says_what_each_rung_changed(arms):
+def test_remedy_answers_the_overflow_and_says_what_each_rung_changed(arms):
     d = arms["remedy"]
     s = summarize(load_run_dir(d))
     assert s.status == "done" and s.steps == STEPS
-    # eps 1e-3: no init-time backward overflow, so every rollback answers the drift's overflow
     rbs = rollbacks(events(d))
-    # the replay finds the drift again on the next batch: deterministic, the numerics rungs
-    assert [rb.remedy for rb in rbs] == ["lower_lr", "fp32_reduction"]
-    assert all(rb.step == CROSS and rb.answered[0].startswith(f"overflow@{CROSS}") for rb in rbs)
+    first = events(arms["baseline"], "overflow")[0]["step"]
+    assert rbs and all(rb.answered[0].startswith(f"overflow@{first}") for rb in rbs)
+    assert rbs[-1].remedy == "fp32_reduction"
     last_rb = max(e["global_step"] for e in events(d, "rollback") if e["kind"] == "rollback")
     assert [e for e in events(d, "overflow") if e["global_step"] > last_rb] == []
     # one audit per model step, never of the initial weights: a rollback rewinds the step
@@ -139,8 +164,7 @@ def test_remedy_answers_the_drift_and_says_what_each_rung_changed(arms):
     assert len(steps) == len(set(steps)) and min(steps) > 0, steps
     assert [e for e in events(d, "nonfinite") if e["global_step"] > last_rb] == []
     assert math.isfinite(s.final_loss) and s.heldout_bpb is not None
-    assert "for the rest of the run" in s.rollback_story[0]
-    assert "reduce in fp32 from here on" in s.rollback_story[1]
+    assert "reduce in fp32 from here on" in s.rollback_story[-1]
 
 
 def test_arms_share_one_wandb_group_with_the_same_metric_names(arms):
@@ -156,16 +180,18 @@ def test_arms_share_one_wandb_group_with_the_same_metric_names(arms):
         assert k in common, k
 
 
-def test_report_table_plots_and_conclusions_match_the_runs(arms, tmp_path):
-    runs = [load_run_dir(arms[a]) for a in ARMS]
+def test_report_table_verdicts_and_conclusions_match_the_runs(arms, tmp_path):
+    names = [f"reference-seed{x}" for x in REF_SEEDS] + ARMS
+    runs = [load_run_dir(arms[a]) for a in names]
     report = write_report(runs, tmp_path, "nan_repro (short)")
     text = report.read_text()
-    sums = {r.arm: summarize(r) for r in runs}
-    table = [line for line in text.splitlines() if line.startswith("| ")]
-    assert len(table) == 1 + len(ARMS)
-    # the first-overflow cell, against what the drift was set to do (the remedy arm's own
-    # course is tested above)
-    known = {"baseline": CROSS, "large_eps": CROSS, "fp32_reduction": "never", "bf16": "never"}
+    table = [line for line in text.split("## Against")[0].splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(names)
+    assert table[1].startswith("| reference seed 1234 |") and table[2].startswith(
+        "| reference seed 1235 |"
+    )
+    first = events(arms["baseline"], "overflow")[0]["step"]
+    known = {"baseline": first, "large_eps": first, "fp32_reduction": "never", "bf16": "never"}
     for arm, first_overflow in known.items():
         row = next(line for line in table if line.startswith(f"| {arm} |"))
         assert row.split(" | ")[4] == str(first_overflow), row
@@ -173,17 +199,33 @@ def test_report_table_plots_and_conclusions_match_the_runs(arms, tmp_path):
         p = tmp_path / f"{png}.png"
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
         assert f"({png}.png)" in text
-    conclusions = text.split("## Conclusions")[1].split("## Plots")[0]
-    base = sums["baseline"]
-    assert f"preceded the first NaN by {base.warning_lead} steps" in conclusions
-    assert base.warning_lead == base.first_nonfinite - base.first_over_line > 0
-    assert "fp32_reduction fixes it" in conclusions and "bf16 fixes it" in conclusions
-    assert "large_eps does not fix it" in conclusions and "baseline never trained" in conclusions
-    assert f"remedy recovered through {sums['remedy'].rollbacks} rollback" in conclusions
+    # the verdict table against independent arithmetic on the runs' own files
+    held = {a: json.loads((arms[a] / "final_eval.json").read_text())["bpb"] for a in names}
+    ref_mean = sum(held[f"reference-seed{x}"] for x in REF_SEEDS) / len(REF_SEEDS)
+    verdicts = text.split("## Against the reference")[1].split("## Conclusions")[0]
+    rows = {r.split(" | ")[0].strip("| "): r.split(" | ") for r in verdicts.splitlines()[4:]
+            if r.startswith("| ")}  # fmt: skip
+    conclusions = text.split("## Conclusions")[1].split("## Rollbacks")[0]
+    for arm in ARMS:
+        cells = rows[arm]
+        assert float(cells[2]) == pytest.approx(held[arm] - ref_mean, abs=6e-4), (arm, cells)
+        stopped, inside, label = cells[1] == "yes", cells[4] == "yes", cells[7].strip(" |")
+        # every verdict's words follow from its row
+        assert (label == "fixes it") == (stopped and inside), cells
+        assert (label == "does not stop the NaN") == (not stopped), cells
+        sentence = next(c for c in conclusions.splitlines() if c.startswith(f"- {arm} "))
+        if label == "fixes it":
+            assert f"{arm} fixes it: no NaN" in sentence
+        elif stopped:
+            assert f"{arm} stops the NaN" in sentence and "fixes it" not in sentence
+        else:
+            assert f"{arm} does not stop the NaN" in sentence
+    assert rows["baseline"][1] == "no" and rows["fp32_reduction"][1] == "yes"
+    assert "Baseline chain:" in conclusions and f"overflowed at step {first}" in conclusions
     rolled = text.split("## Rollbacks")[1].split("## Plots")[0]
-    assert "### remedy" in rolled and "LR x0.5 for the rest of the run" in rolled
+    assert "### remedy" in rolled and "reduce in fp32 from here on" in rolled
     saved = json.loads((tmp_path / "summary.json").read_text())
-    assert [s["arm"] for s in saved] == ARMS
+    assert [s["arm"] for s in saved] == ["reference seed 1234", "reference seed 1235", *ARMS]
 
 
 def test_report_reads_wandb_offline_files_and_rebuilds_events_from_metrics(arms, tmp_path):
@@ -199,11 +241,8 @@ def test_report_reads_wandb_offline_files_and_rebuilds_events_from_metrics(arms,
     assert same(from_wandb.series("train/loss")) == same(from_csv.series("train/loss"))
     rebuilt = events_from_rows(from_csv.rows)  # as from the W&B API: metrics only
     first = next(e for e in rebuilt if e["monitor"] == "overflow")
-    assert first["step"] == CROSS  # logged every step here, so as exact as the events file
-    assert (
-        next(e for e in rebuilt if e["monitor"] == "nonfinite")["step"]
-        == next(e for e in events(src) if e["monitor"] == "nonfinite")["step"]
-    )
+    # logged every step here, so as exact as the events file
+    assert first["step"] == events(src, "overflow")[0]["step"]
 
 
 def test_report_cli(arms, tmp_path, capsys):
@@ -221,7 +260,7 @@ def test_repro_nan_script_with_two_torchrun_ranks(tmp_path):
     """The scenario script end to end, shortened, each arm a 2-rank torchrun (gloo)."""
     out = tmp_path / "ddp"
     script = str(ROOT / "scripts" / "repro_nan.sh")
-    short = ["trainer.max_steps=40", f"fault.step={START}", f"fault.cross_step={CROSS}"]
+    short = ["trainer.max_steps=40", f"fault.step={START}", f"fault.target_step={TARGET}"]
     args = ["bash", script, "--arms", "baseline,remedy", "--nproc-per-node", "2", "--out"]
     r = run_cli([*args, str(out), "--", *short, "data.batch_size=4"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -231,8 +270,7 @@ def test_repro_nan_script_with_two_torchrun_ranks(tmp_path):
         assert f"    {arm} | step 40/40  " in r.stderr, r.stderr[-3000:]
         assert f"    {arm} | done: 40 steps (40 asked" in r.stderr
     base, remedy = (summarize(load_run_dir(out / a)) for a in ("baseline", "remedy"))
-    assert base.first_overflow == CROSS and base.first_nonfinite is not None
-    assert base.nonfinite_where.startswith("h.1.ln_1")  # localized on every rank, agreed
+    assert base.first_overflow > START and base.first_grad_nonfinite >= base.first_overflow
     assert remedy.rollbacks >= 1 and remedy.remedies[-1] == "fp32_reduction"
     assert remedy.status == "done" and remedy.first_overflow is None
     for arm in ("baseline", "remedy"):
@@ -250,12 +288,22 @@ def test_repro_nan_script_runs_every_arm_and_writes_the_report(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"{out}/report.md" in r.stderr
+    assert "plan: 8 runs" in r.stderr and "scenario done in" in r.stderr
     text = (out / "report.md").read_text()
     for arm in ARMS:
         assert f"| {arm} |" in text
+    assert "| reference (3 seeds) |" in text
     base = summarize(load_run_dir(out / "baseline"))
-    assert base.first_overflow == 80 and base.first_forecast is not None
-    assert base.first_forecast < base.first_over_line
+    assert base.first_overflow > 30 and base.first_grad_nonfinite >= base.first_overflow
+    # the measured tables of docs/scenario.md are written from this run, not by hand
+    doc = tmp_path / "scenario.md"
+    doc.write_text("# head\n\n<!-- measured:begin -->\nold\n<!-- measured:end -->\n\ntail\n")
+    w = run_cli([sys.executable, str(ROOT / "scripts" / "scenario_doc.py"), str(out),
+                 "--doc", str(doc)], cwd=ROOT)  # fmt: skip
+    assert w.returncode == 0, w.stderr
+    written = doc.read_text()
+    assert "old" not in written and written.endswith("tail\n") and "commit" in written
+    assert "| reference (3 seeds) |" in written and "### Conclusions" in written
 
 
 def test_scenario_script_help():
@@ -291,8 +339,18 @@ def test_conclusions_follow_the_numbers_when_the_baseline_never_trains():
     fp32 = ArmSummary("fp32_reduction", "f", "done", precision="fp16-mixed", rel_err=3.5e-4)
     text = "\n".join(conclusions([base, eps, fp32]))
     assert "baseline never trained: the GradScaler skipped 100%" in text
-    assert "baseline fixes it" not in text and "fp32_reduction fixes it" in text
-    assert "large_eps does not fix it: it overflowed at step 8" in text
-    assert "never went non-finite (final loss 5.55)" in text
-    assert "like the baseline" not in text  # the baseline did not overflow
-    assert "It does let training start" in text
+    # "fixes it" is a verdict against a reference (stabilize/report/verdict.py), never said
+    # from the absence of a NaN alone
+    assert "fixes it" not in text
+
+
+def test_a_rollback_that_overflowed_again_is_not_called_recovered():
+    from stabilize.report.summary import ArmSummary, conclusions
+
+    r = ArmSummary("remedy", "r", "done", precision="fp16-mixed", rollbacks=2, final_loss=2.6)
+    r.remedies, r.steps = ["lower_lr", "fp32_reduction"], 120
+    assert "remedy recovered through 2 rollback(s)" in "\n".join(conclusions([r]))
+    r.overflow_after_rollback = True
+    text = "\n".join(conclusions([r]))
+    assert "recovered" not in text.replace("did not recover", "")
+    assert "it overflowed again after the last remedy" in text

@@ -6,7 +6,8 @@ forward, rollback and checkpoint state), registered by name (``base.register_fau
 ``FaultInjector`` drives it.
 
 Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike`` (``point.py``),
-``activation_drift`` (``drift.py``), ``bitflip`` and ``poisoned_batch`` (``silent.py``).
+``activation_drift`` (``drift.py``), ``stream_drift`` (``stream.py``), ``bitflip`` and
+``poisoned_batch`` (``silent.py``).
 To add one: subclass ``PointFault`` (or ``Fault``), set ``kind``, override the hooks it
 needs, decorate it with ``@register_fault``, import its module below, and add
 ``configs/fault/<kind>.yaml``.
@@ -26,6 +27,7 @@ from stabilize.faults.config import FaultConfig
 # isort: off
 from stabilize.faults.point import GradSpike, InfGrad, NanLoss, NoFault
 from stabilize.faults.drift import ActivationDrift
+from stabilize.faults.stream import StreamDrift
 from stabilize.faults.silent import BitFlip, PoisonedBatch
 from stabilize.faults.injector import FaultInjector
 # isort: on
@@ -42,6 +44,7 @@ __all__ = [
     "NoFault",
     "PointFault",
     "PoisonedBatch",
+    "StreamDrift",
     "fault_class",
     "fault_kinds",
     "register_fault",

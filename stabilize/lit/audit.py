@@ -9,6 +9,8 @@ autocast, with a hook on every ``Norm``, and measures per norm, per token (row):
   norm computed in float64 from the same input, with the same gamma/beta (written out here,
   not taken from stabilize.norms). bf16 rounds outputs at 2^-9 relative; fp16 at 2^-12; an
   overflowed fp16 reduction gives a zero row, i.e. an error of 1.
+- ``norm_dev_median``: the median over live rows of |normalized output norm / sqrt(D) - 1|
+  (gamma/beta at init, as for ``flattened``); ``norm_dev_worst`` is the largest per norm.
 - ``dead``: finite, non-zero input rows whose output is all zeros (the overflow's victims).
 - ``flattened``: rows whose *normalized* output (gamma/beta at their init: 1 and 0, ScaleNorm
   g = sqrt(D)) has a norm more than 5% away from sqrt(D). That happens when eps is not
@@ -116,13 +118,17 @@ class NormAudit(L.Callback):
                 for p, v in zip(live, saved, strict=True):
                     p.copy_(v)
             ratio = unit.norm(dim=-1) / math.sqrt(norm.dim)
-            flat = finite_in & ~dead & ((ratio - 1).abs() > FLAT_TOLERANCE)
+            dev = (ratio - 1).abs()  # [N]
+            flat = finite_in & ~dead & (dev > FLAT_TOLERANCE)
+            live_rows = finite_in & ~dead & torch.isfinite(dev)
             rms = xin.double().pow(2).mean(-1).sqrt()
             ok = torch.isfinite(err)
             out[name] = {
                 "rows": float(xin.shape[0]),
                 "dead": float(dead.sum()),
                 "flattened": float(flat.sum()),
+                # how far a live row's normalized output is from norm sqrt(D): eps's bias
+                "norm_dev_median": float(dev[live_rows].median()) if live_rows.any() else math.nan,
                 "rel_err_median": float(err[ok].median()) if ok.any() else math.nan,
                 "rel_err_max": float(err[ok].max()) if ok.any() else math.nan,
                 "nonfinite": float((~torch.isfinite(y).all(-1)).sum()),
@@ -143,8 +149,12 @@ class NormAudit(L.Callback):
         medians = [
             v["rel_err_median"] for v in per_norm.values() if math.isfinite(v["rel_err_median"])
         ]
+        devs = [v["norm_dev_median"] for v in per_norm.values()]
+        devs = [d for d in devs if math.isfinite(d)]
         summary = {
             "rel_err_median": float(sorted(medians)[len(medians) // 2]) if medians else math.nan,
+            # the worst norm's median |output norm / sqrt(D) - 1| (eps's bias where it bites)
+            "norm_dev_worst": max(devs) if devs else math.nan,
             "rel_err_max": max((v["rel_err_max"] for v in per_norm.values()), default=math.nan),
             "dead_share": sum(v["dead"] for v in per_norm.values()) / rows,
             "flattened_share": sum(v["flattened"] for v in per_norm.values()) / rows,

@@ -193,14 +193,15 @@ class RunConfig:
             red = self.model.norm.reduction_dtype
             self.monitor.sections["activation"] = resolve_line(act, self.precision.name, red)
 
-        if self.fault.kind == "activation_drift" and not 0 <= self.fault.layer < self.model.n_layer:
+        drift = self.fault.kind in ("activation_drift", "stream_drift")
+        if drift and not 0 <= self.fault.layer < self.model.n_layer:
             raise ConfigError(
                 f"fault.layer={self.fault.layer} is not allowed with model.n_layer="
                 f"{self.model.n_layer}; allowed: 0 .. {self.model.n_layer - 1}"
             )
-        if self.trainer.compile and self.fault.kind == "activation_drift":
+        if self.trainer.compile and drift:
             raise ConfigError(
-                "trainer.compile=true is not allowed with fault.kind='activation_drift' (its "
+                f"trainer.compile=true is not allowed with fault.kind={self.fault.kind!r} (its "
                 "factor changes every step and would recompile the model every step)"
             )
         red = self.model.norm.reduction_dtype

@@ -35,8 +35,8 @@ def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any] |
     )
     blocks = val.dataset
     b = cfg.data.batch_size
-    n = math.ceil(len(blocks) / b)
-    n = n if max_batches is None else min(n, max_batches)
+    n_all = math.ceil(len(blocks) / b)
+    n = n_all if max_batches is None else min(n_all, max_batches)
     if n == 0:
         return None
     # the same number of forwards on every rank (a sharded model gathers in each); a rank's
@@ -76,6 +76,7 @@ def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any] |
         "bytes": int(nbytes),
         "batches": n,
         "held_out_blocks": len(blocks),
+        "whole": n == n_all,  # every held-out block scored (not the first final_eval_batches)
         "model_step": module.model_step,
     }
 

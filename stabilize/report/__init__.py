@@ -30,6 +30,7 @@ from stabilize.report.summary import (
     summarize,
     table,
 )
+from stabilize.report.verdict import facts, judge, verdict_rows
 
 __all__ = [
     "Run",
@@ -69,8 +70,10 @@ def best_lines(arms: list[ArmSummary]) -> list[str]:
         return []
     if all(a.heldout_bpb is not None for a in done):
         best = min(done, key=lambda a: a.heldout_bpb)
+        # "whole" only when every arm scored every held-out block (trainer.final_eval_batches)
+        whole = "the whole" if all(a.heldout_whole for a in done) else "part of the"
         return [
-            f"Lowest bits per byte on the whole held-out split ({best.heldout_bytes:,} bytes): "
+            f"Lowest bits per byte on {whole} held-out split ({best.heldout_bytes:,} bytes): "
             f"`{best.arm}` ({best.heldout_bpb:.4g}).",
             "",
         ]
@@ -80,6 +83,17 @@ def best_lines(arms: list[ArmSummary]) -> list[str]:
         f"({best.final_loss:.3g}).",
         "",
     ]
+
+
+VERDICT_NOTE = (
+    "*NaN stopped*: no non-finite loss, and no GradScaler skip (inf/NaN gradients) at or after "
+    "the arm's first overflowed reduction (after its last rollback, for an arm that rolled "
+    "back). *gap*: the arm's value minus the reference's mean over its seeds; *inside band*: "
+    "the arm's held-out bpb and last-steps loss are no worse than the worst reference seed "
+    "(`-`: 1 reference seed, no spread). *step time / reference*: median seconds per step from "
+    "the runs' own tokens/s, arms run side by side. *what it hides*: measured by the norm "
+    "audit (`audit.jsonl`)."
+)
 
 
 def write_report(runs: list[Run], out: Path, title: str = "stabilize report") -> Path:
@@ -108,7 +122,8 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
         "warning lead*: steps from that warning to the first non-finite value; *loss before*: "
         f"the last logged loss before the line was crossed; *final loss*: the mean training "
         f"loss of the last {LAST_STEPS} model steps; *held-out bpb*: bits per byte on the "
-        "whole held-out split after training (`final_eval.json`; `-` where the run did not "
+        "held-out split after training, whole unless `trainer.final_eval_batches` cut it "
+        "(`final_eval.json`; `-` where the run did not "
         "finish or the score was off); *norm rel. err*: median relative "
         "error of every norm's output against float64 on held-out batches, on steps the fault "
         "had not reached (the precision's own cost); *flattened rows*: share of norm rows more "
@@ -118,10 +133,16 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
     if any(not a.exact for a in arms):
         lines += ["`~`: rebuilt from logged metrics (W&B API): as fine as the log interval.", ""]
     if scenario:
+        ref, verdicts = judge(arms, [facts(r, a) for r, a in zip(runs, arms, strict=True)])
+        lines += ["## Against the reference", "", _md_table(verdict_rows(ref, verdicts)), ""]
+        lines += [VERDICT_NOTE, ""]
         lines += ["## Conclusions", ""]
-        lines += [f"- {c}" for c in conclusions(arms)] or [
-            "- (no run had anything to conclude from)"
-        ]
+        found = conclusions(arms)  # the baseline's chain first, then the verdicts, then costs
+        chain_first = [c for c in found if c.startswith("Baseline chain")]
+        said = (
+            chain_first + [v.words for v in verdicts] + [c for c in found if c not in chain_first]
+        )
+        lines += [f"- {c}" for c in said] or ["- (no run had anything to conclude from)"]
         lines += [""]
     told = [(a.arm, a.rollback_story) for a in arms if a.rollback_story]
     if told:

@@ -61,7 +61,8 @@ def swept(runs: list[Run]) -> list[dict[str, str]]:
 
 def arm_names(runs: list[Run]) -> list[str]:
     """The name each run goes by in the report: its arm, else its swept key=value pairs,
-    else its directory's name; a repeated name gets the directory's name added."""
+    else its directory's name; a repeated name gets its seed added when the seeds tell the
+    runs apart, else the directory's name."""
     names = []
     for r, values in zip(runs, swept(runs), strict=True):
         if r.config.get("arm"):
@@ -71,7 +72,14 @@ def arm_names(runs: list[Run]) -> list[str]:
         else:
             names.append(r.name)
     seen = [n for n in names if names.count(n) > 1]
-    return [f"{n} ({r.name})" if n in seen else n for n, r in zip(names, runs, strict=True)]
+
+    def distinct(n: str, r: Run) -> str:  # one arm over several seeds: name the seed
+        seeds = {str(q.config.get("seed")) for q, m in zip(runs, names, strict=True) if m == n}
+        if len(seeds) == names.count(n):
+            return f"{n} seed {r.config.get('seed')}"
+        return f"{n} ({r.name})"
+
+    return [distinct(n, r) if n in seen else n for n, r in zip(names, runs, strict=True)]
 
 
 def is_scenario(runs: list[Run]) -> bool:

@@ -42,6 +42,7 @@ class ArmSummary:
     # they output NaN, they are not dead (issue 11); summed over the same overflow events
     nan_rows: float = 0.0
     scaler_skips: int = 0
+    first_grad_nonfinite: int | None = None  # first GradScaler skip at/after the first overflow
     # share of steps the GradScaler skipped before the trouble: before the drift starts, or
     # before the first overflow / 256 crossing / the end when nothing is injected
     early_skip_share: float | None = None
@@ -51,11 +52,13 @@ class ArmSummary:
     triggers: list[str] = field(default_factory=list)  # "monitor@step" that rolled back
     rollback_story: list[str] = field(default_factory=list)  # report/rollbacks.py, per rollback
     aborted: bool = False
+    overflow_after_rollback: bool = False  # an overflow event after the last rollback
     loss_before: float | None = None  # the last logged loss before the line is crossed
     final_loss: float | None = None  # mean over the last LAST_STEPS model steps
     final_val_bpb: float | None = None  # the last periodic validation (a few batches)
     heldout_bpb: float | None = None  # the whole held-out split after training
     heldout_bytes: int | None = None
+    heldout_whole: bool | None = None  # every held-out block was scored (final_eval.json)
     rel_err: float | None = None  # median relative error of norm outputs vs float64
     flattened: float | None = None  # share of rows > 5% off sqrt(D) (eps's cost)
     exact: bool = True
@@ -72,6 +75,9 @@ class ArmSummary:
         if self.first_over_line is None or self.first_nonfinite is None:
             return None
         return self.first_nonfinite - self.first_over_line
+
+
+DRIFTS = ("activation_drift", "stream_drift")  # faults whose start is where trouble begins
 
 
 def last_steps_mean(losses: list[tuple[float, float]]) -> float:
@@ -142,8 +148,15 @@ def summarize(run: Run) -> ArmSummary:
         s.nan_rows = _extra_sum(overflows, "nan_rows")
     skips = [e for e in ev if e.get("monitor") == "loss_scale" and e.get("kind") == "skip"]
     s.scaler_skips = len(skips)
+    if s.first_overflow is not None:  # inf/NaN gradients the overflow caused (not calibration)
+        after = [int(e["step"]) for e in skips if int(e["step"]) >= s.first_overflow]
+        s.first_grad_nonfinite = min(after, default=None)
     rb = [e for e in ev if e.get("monitor") == "rollback" and e.get("kind") == "rollback"]
     s.rollbacks = len(rb)
+    last_rb = max((int(e.get("global_step") or 0) for e in rb), default=None)
+    s.overflow_after_rollback = last_rb is not None and any(
+        int(e.get("global_step") or 0) > last_rb for e in overflows
+    )
     s.remedies = [str((e.get("extra") or {}).get("remedy")) for e in rb if e.get("extra")]
     if rb:  # the verdicts that called for them (without rollback they are verdicts only)
         verdicts = [e for e in ev if e.get("kind") == "rollback" and e.get("monitor") != "rollback"]
@@ -165,7 +178,7 @@ def summarize(run: Run) -> ArmSummary:
         if line_at:
             before = [v for st, v in losses if st < line_at]
             s.loss_before = before[-1] if before else None
-    drift_start = fault.get("step") if fault.get("kind") == "activation_drift" else None
+    drift_start = fault.get("step") if fault.get("kind") in DRIFTS else None
     trouble = drift_start or min(
         [x for x in (s.first_overflow, s.first_over_line) if x is not None], default=s.steps + 1
     )
@@ -177,6 +190,7 @@ def summarize(run: Run) -> ArmSummary:
     if run.final_eval and run.final_eval.get("bpb") is not None:
         s.heldout_bpb = float(run.final_eval["bpb"])
         s.heldout_bytes = int(run.final_eval.get("bytes") or 0)
+        s.heldout_whole = run.final_eval.get("whole")
     cut = min([x for x in (s.first_overflow, s.first_nonfinite) if x is not None], default=None)
     healthy = _healthy_audits(run, cut)
     if healthy:
@@ -195,9 +209,6 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
     out: list[str] = []
     by = {a.arm: a for a in arms}
     base = by.get("baseline")
-    broken = [a for a in arms if a.first_overflow is not None or a.first_nonfinite is not None]
-    clean = [a for a in arms if a not in broken and not a.rollbacks and not a.never_trained]
-    base_broke = base is not None and base in broken
     if base is not None and base.first_overflow is not None:
         chain = [
             f"|x| max first passed {LINE:g} at step {_fmt_step(base.first_over_line)}",
@@ -205,10 +216,15 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
             f"({base.dead_tokens:g} token rows zeroed{_nan_part(base)} over all norms and "
             f"steps)",
         ]
+        if base.first_grad_nonfinite is not None:
+            chain.append(
+                f"the gradients went non-finite at step {base.first_grad_nonfinite} (a GradScaler "
+                "skip: inf/NaN gradients)"
+            )
         if base.first_nonfinite is not None:
             where = f" in {base.nonfinite_where}" if base.nonfinite_where else ""
             chain.append(f"the first non-finite value came at step {base.first_nonfinite}{where}")
-        else:
+        elif base.first_grad_nonfinite is None:
             chain.append("no non-finite value followed")
         out.append("Baseline chain: " + "; ".join(chain) + ".")
     if base is not None and base.warning_lead is not None:
@@ -230,41 +246,26 @@ def conclusions(arms: list[ArmSummary]) -> list[str]:
                 f"(lowest loss scale {a.min_loss_scale:.3g}): its fp16 reduction overflows in "
                 f"the backward, for tokens of small norm (the embeddings at init)."
             )
-    for a in clean:
-        cost = f"median norm-output error {a.rel_err:.2g} vs float64" if a.rel_err else ""
-        out.append(
-            f"{a.arm} fixes it: no overflowed reduction, no dead token, no non-finite value "
-            f"under the same conditions" + (f" ({cost})." if cost else ".")
-        )
-    for a in broken:
-        if a.arm == "baseline" or a.rollbacks:
-            continue
-        what = []
-        if a.first_overflow is not None:
-            what.append(
-                f"overflowed at step {a.first_overflow} ({a.dead_tokens:g} dead rows{_nan_part(a)})"
-            )
-        if a.first_nonfinite is not None:
-            what.append(f"went non-finite at step {a.first_nonfinite}")
-        else:
-            what.append(f"never went non-finite (final loss {a.final_loss:.3g})")
-        like = " like the baseline" if base_broke else ""
-        hid = ""
-        if base is not None and base.never_trained and not a.never_trained:
-            hid = " It does let training start (the init-time backward overflow is gone)."
-        out.append(f"{a.arm} does not fix it: it " + " and ".join(what) + like + "." + hid)
     for a in arms:
         if a.rollbacks:
             ladder = " -> ".join(a.remedies) if a.remedies else "?"
             if a.aborted:
                 out.append(f"{a.arm}: {a.rollbacks} rollbacks ({ladder}), then gave up (abort).")
             else:
-                tail = "; no overflow after the last remedy" if _recovered(a) else ""
                 why = f", called by {', '.join(a.triggers)}" if a.triggers else ""
-                out.append(
-                    f"{a.arm} recovered through {a.rollbacks} rollback(s){why} ({ladder}) and "
-                    f"reached step {a.steps} with loss {a.final_loss:.3g}{tail}."
-                )
+                ended = f"reached step {a.steps} with loss {a.final_loss:.3g}"
+                if _recovered(a):
+                    out.append(
+                        f"{a.arm} recovered through {a.rollbacks} rollback(s){why} ({ladder}) "
+                        f"and {ended}; no overflow after the last remedy."
+                    )
+                else:
+                    out.append(
+                        f"{a.arm} rolled back {a.rollbacks} time(s){why} ({ladder}) and "
+                        f"{ended}, but did not recover: "
+                        + ("it overflowed again after the last remedy." if a.overflow_after_rollback
+                           else "it went non-finite or did not finish.")
+                    )  # fmt: skip
     errs = {a.arm: a.rel_err for a in arms if a.rel_err}
     if len(errs) > 1:
         worst = max(errs, key=errs.get)
@@ -298,7 +299,9 @@ def _nan_part(a: ArmSummary) -> str:
 
 
 def _recovered(a: ArmSummary) -> bool:
-    return a.status == "done" and a.first_nonfinite is None
+    """Recovered: finished, never non-finite, and no overflow event after the last rollback
+    (not "no NaN" alone: an overflow that did not turn NaN is still the fault)."""
+    return a.status == "done" and a.first_nonfinite is None and not a.overflow_after_rollback
 
 
 def table(arms: list[ArmSummary]) -> list[list[Any]]:

@@ -1,0 +1,257 @@
+"""Verdicts against a healthy reference: "no NaN" is not "fixed".
+
+A scenario's ``reference`` arm is the same run without the drift (same model, data, seed
+and precision; ``configs/arm/reference.yaml``), possibly run with several seeds. Every other
+arm is judged by two questions, each answered from recorded numbers only:
+
+1. **Did it stop the NaN?** No non-finite loss or gradient caused by the fault: no
+   ``nonfinite`` event, and no GradScaler skip (inf/NaN gradients) at or after the arm's
+   first overflowed reduction. Before an overflow, a skip is the loss scale's ordinary
+   calibration (the reference has them too). For an arm that rolled back, only what came
+   after its last rollback counts.
+2. **Does it train like the reference?** Its gap to the reference's mean, on the held-out
+   bits per byte and on the mean training loss of the last steps, against the reference's
+   seed band: the 95% prediction interval for one more seed, mean +- t(0.975, n-1) * s *
+   sqrt(1 + 1/n) over the n reference seeds (s: their sample standard deviation). A run of
+   another arm is one draw, so [min, max] of 3 seeds would call a third of healthy draws
+   "worse". Only the upper side counts (lower is not a failure to train). With one
+   reference seed there is no spread, and the verdict says it cannot tell a gap from noise.
+
+"fixes it" needs both; "stops the NaN but trains X worse" is the first alone. What each
+arm hides and what it costs are measured beside it (``hides``, ``step_time_ratio``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from stabilize.report.load import Run
+from stabilize.report.summary import DRIFTS, ArmSummary
+
+REFERENCE = "reference"
+# Student's t at 0.975 by degrees of freedom (n - 1 seeds); 1.96 beyond the table
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228}  # fmt: skip
+
+
+@dataclass
+class Facts:
+    """What the verdict reads from one run besides its ``ArmSummary``."""
+
+    arm: str  # the configured arm (several seeds share it)
+    seed: int | None
+    nan_steps: list[int] = field(default_factory=list)  # fault-caused non-finite steps
+    overflow_after_last_rollback: bool = False
+    step_time: float | None = None  # median seconds per optimizer step (host clock)
+    rel_err_drift: float | None = None  # norm-output error vs float64 while drifted
+    norm_dev: float | None = None  # worst norm's median |output norm / sqrt(D) - 1|
+    heldout_whole: bool | None = None
+
+
+def _finite(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def _median(xs):
+    xs = [x for x in xs if _finite(x)]
+    return statistics.median(xs) if xs else None
+
+
+def facts(run: Run, s: ArmSummary) -> Facts:
+    cfg = run.config
+    f = Facts(arm=str(cfg.get("arm") or s.arm), seed=cfg.get("seed"))
+    ev = run.events
+    rb = [int(e["global_step"]) for e in ev if e.get("monitor") == "rollback"
+          and e.get("kind") == "rollback" and e.get("global_step") is not None]  # fmt: skip
+    after = max(rb, default=-1)
+
+    def later(e):
+        return e.get("global_step") is None or int(e["global_step"]) > after
+
+    overflows = [e for e in ev if e.get("monitor") == "overflow" and later(e)]
+    f.overflow_after_last_rollback = bool(rb) and bool(overflows)
+    first_over = min((int(e["step"]) for e in overflows), default=None)
+    nan = [int(e["step"]) for e in ev if e.get("monitor") == "nonfinite" and later(e)]
+    if first_over is not None:
+        skips = [e for e in ev if e.get("monitor") == "loss_scale" and e.get("kind") == "skip"]
+        nan += [int(e["step"]) for e in skips if int(e["step"]) >= first_over and later(e)]
+    f.nan_steps = sorted(set(nan))
+    tps = _median(v for _, v in run.series("perf/tokens_per_s"))
+    if tps:
+        d = cfg.get("data") or {}
+        tokens = (d.get("batch_size") or 0) * ((cfg.get("model") or {}).get("block_size") or 0)
+        f.step_time = tokens / tps if tokens else 1 / tps
+    fault = cfg.get("fault") or {}
+    start = fault.get("step") if fault.get("kind") in DRIFTS else None
+    if start is not None:  # the drift's own magnitude: audits from the planned target on
+        at = fault.get("target_step") or fault.get("cross_step") or start
+        f.rel_err_drift = _median(a.get("rel_err_median") for a in run.audits if a["step"] >= at)
+    f.norm_dev = _median(a.get("norm_dev_worst") for a in run.audits)
+    if run.final_eval:
+        f.heldout_whole = run.final_eval.get("whole")
+    return f
+
+
+@dataclass
+class Reference:
+    names: list[str]
+    bpb: list[float]
+    loss: list[float]
+    step_time: float | None
+
+    @property
+    def seeds(self) -> int:
+        return len(self.names)
+
+    def band(self, key: str) -> tuple[float, float] | None:
+        """The 95% prediction interval for one more seed (None: fewer than 2 seeds)."""
+        vals = getattr(self, key)
+        if len(vals) < 2:
+            return None
+        n, m, sd = len(vals), statistics.fmean(vals), statistics.stdev(vals)
+        half = T975.get(n - 1, 1.96) * sd * math.sqrt(1 + 1 / n)
+        return (m - half, m + half)
+
+    def mean(self, key: str) -> float | None:
+        vals = getattr(self, key)
+        return statistics.fmean(vals) if vals else None
+
+
+@dataclass
+class Verdict:
+    arm: str
+    nan_stopped: bool
+    gap_bpb: float | None
+    gap_loss: float | None
+    inside: bool | None  # both gaps inside the band; None: no spread (1 seed) or no score
+    step_time_ratio: float | None
+    hides: str
+    label: str  # the verdict in a few words (the table's cell) ...
+    words: str  # ... and as the conclusion's sentence
+
+
+def reference(arms: list[ArmSummary], fs: list[Facts]) -> Reference | None:
+    refs = [(a, f) for a, f in zip(arms, fs, strict=True) if f.arm == REFERENCE]
+    if not refs:
+        return None
+    ok = [(a, f) for a, f in refs if a.status == "done"]
+    return Reference(
+        names=[a.arm for a, _ in ok],
+        bpb=[a.heldout_bpb for a, _ in ok if a.heldout_bpb is not None],
+        loss=[a.final_loss for a, _ in ok if _finite(a.final_loss)],
+        step_time=_median(f.step_time for _, f in ok),
+    )
+
+
+def _inside(value: float | None, band: tuple[float, float] | None) -> bool | None:
+    if value is None or band is None or not math.isfinite(value):
+        return False if value is not None else None
+    return value <= band[1]  # better than every seed is not a failure to train
+
+
+def hides(a: ArmSummary, f: Facts) -> str:
+    """What the arm's way out hides, as measured (empty: nothing measured)."""
+    parts = []
+    # a 16-bit reduction that did not overflow: its rounding at the drift's magnitude (an
+    # overflowed one's error is its dead rows, counted elsewhere)
+    if f.rel_err_drift is not None and a.reduction in ("bf16", "fp16") and a.first_overflow is None:
+        parts.append(f"norm outputs off by {f.rel_err_drift:.2g} vs float64 at the drift's |x|")
+    if a.flattened:
+        parts.append(f"{100 * a.flattened:.2g}% of rows flattened by eps")
+    if f.norm_dev is not None and f.norm_dev > 0.01:
+        parts.append(f"output norms {100 * f.norm_dev:.2g}% off sqrt(D) (worst norm's median)")
+    return "; ".join(parts)
+
+
+def judge(arms: list[ArmSummary], fs: list[Facts]) -> tuple[Reference | None, list[Verdict]]:
+    ref = reference(arms, fs)
+    out = []
+    for a, f in zip(arms, fs, strict=True):
+        if f.arm == REFERENCE:
+            continue
+        stopped = not f.nan_steps and a.status == "done" and not f.overflow_after_last_rollback
+        gap_bpb = gap_loss = inside = ratio = None
+        if ref is not None:
+            if a.heldout_bpb is not None and ref.bpb:
+                gap_bpb = a.heldout_bpb - ref.mean("bpb")
+            if a.final_loss is not None and ref.loss:
+                gap_loss = a.final_loss - ref.mean("loss")
+            if ref.seeds > 1 and gap_bpb is not None:
+                inside = bool(_inside(a.heldout_bpb, ref.band("bpb"))) and bool(
+                    _inside(a.final_loss, ref.band("loss"))
+                )
+            if f.step_time and ref.step_time:
+                ratio = f.step_time / ref.step_time
+        v = Verdict(a.arm, stopped, gap_bpb, gap_loss, inside, ratio, hides(a, f), "", "")
+        v.label, v.words = words(a, f, v, ref)
+        out.append(v)
+    return ref, out
+
+
+def _gap(v: Verdict) -> str:
+    bits = []
+    if v.gap_bpb is not None and math.isfinite(v.gap_bpb):
+        bits.append(f"{v.gap_bpb:+.3f} bpb held out")
+    if v.gap_loss is not None and math.isfinite(v.gap_loss):
+        bits.append(f"{v.gap_loss:+.3f} loss over the last steps")
+    return ", ".join(bits) or "no score"
+
+
+def words(a: ArmSummary, f: Facts, v: Verdict, ref: Reference | None) -> tuple[str, str]:
+    """The verdict's label and sentence; every word follows from the numbers in ``v``
+    (tests/test_verdict.py holds them against each other)."""
+    if not v.nan_stopped:
+        why = []
+        if a.first_overflow is not None:
+            why.append(f"its reduction overflowed at step {a.first_overflow}")
+        if f.nan_steps:
+            why.append(f"non-finite gradients or loss from step {f.nan_steps[0]}")
+        if f.overflow_after_last_rollback:
+            why.append("it overflowed again after its last rollback")
+        if a.status != "done":
+            why.append(f"it ended {a.status}")
+        label = "does not stop the NaN"
+        return label, f"{a.arm} {label}: " + "; ".join(why or ["it did not finish"]) + "."
+    if ref is None:
+        label = "stops the NaN (no reference)"
+        return label, f"{a.arm} stops the NaN; there is no reference arm to judge its training by."
+    if v.inside is None:
+        return "stops the NaN (no spread to judge)", (
+            f"{a.arm} stops the NaN; gap to the reference {_gap(v)}, with 1 reference seed: "
+            "no spread to tell it from seed noise."
+        )
+    lo, hi = ref.band("bpb")
+    band = f"the reference's {ref.seeds}-seed band {lo:.3f}-{hi:.3f} bpb"
+    if v.inside:
+        return "fixes it", (
+            f"{a.arm} fixes it: no NaN, and it trains like the reference ({_gap(v)}; {band})."
+        )
+    return "stops the NaN, trains worse", (
+        f"{a.arm} stops the NaN but trains worse than the reference ({_gap(v)}; {band}, "
+        f"its held-out bpb {a.heldout_bpb:.3f})."
+    )
+
+
+HEADER = ["arm", "NaN stopped", "gap: held-out bpb", "gap: last-steps loss", "inside band",
+          "step time / reference", "what it hides", "verdict"]  # fmt: skip
+
+
+def verdict_rows(ref: Reference | None, vs: list[Verdict]) -> list[list[str]]:
+    def g(x, fmt):
+        return "-" if x is None or not math.isfinite(x) else fmt.format(x)
+
+    rows = [HEADER]
+    if ref is not None:
+        band = ref.band("bpb")
+        spread = f"{band[0]:.3f}-{band[1]:.3f}" if band else "no spread (1 seed)"
+        rows.append([f"reference ({ref.seeds} seed{'s' if ref.seeds > 1 else ''})", "-",
+                     f"mean {g(ref.mean('bpb'), '{:.3f}')}, band {spread}",
+                     f"mean {g(ref.mean('loss'), '{:.3f}')}", "-", "1", "-", "-"])  # fmt: skip
+    for v in vs:
+        inside = "-" if v.inside is None else ("yes" if v.inside else "no")
+        rows.append([v.arm, "yes" if v.nan_stopped else "no", g(v.gap_bpb, "{:+.3f}"),
+                     g(v.gap_loss, "{:+.3f}"), inside, g(v.step_time_ratio, "{:.2f}"),
+                     v.hides or "-", v.label])  # fmt: skip
+    return rows
