@@ -30,6 +30,7 @@ BUILT_IN = (
     "inf_grad",
     "grad_spike",
     "activation_drift",
+    "stream_drift",
     "bitflip",
     "poisoned_batch",
 )
