@@ -8,7 +8,8 @@
 # Two nodes (run on each, same --run-id and endpoint):
 #   scripts/launch.sh --nnodes 2 --nproc-per-node 8 --rdzv-endpoint node0:29500 --run-id exp1 ...
 # On CPU the ranks talk over gloo: scripts/launch.sh --nproc-per-node 2 trainer.accelerator=cpu
-# Exit code: 0 done, 2 config error (nothing written), 3 stability abort, else crashed.
+# Exit code: 0 done, 2 config error (nothing written), 3 stability abort, 4 preempted (a
+# checkpoint at the signal: requeue with resume=auto), 128+N killed by signal N, else crashed.
 set -euo pipefail
 
 nprocs=1; nnodes=1; node_rank=""; endpoint=""; run_id="${STABILIZE_RUN_ID:-}"

@@ -7,7 +7,7 @@
 #
 # Each member gets runs/<group>/<index>, and all members share one W&B group; stabilize-report
 # names them by the swept key=value pairs. --dry-run prints the members and launches nothing.
-# Exit code: the worst member's (a crash > 3 stability abort > 2 config error > 0 done).
+# Exit code: the worst member's (a crash > 3 stability abort > 2 config error > 4 preempted > 0 done).
 # Python: $PYTHON if set, else the one beside the installed stabilize-train, else the repo's .venv.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -43,9 +43,9 @@ mapfile -t members <<< "$lines"
 echo "sweep $group: ${#members[@]} members" >&2
 if [[ $dry -eq 1 ]]; then printf '%s\n' "${members[@]}"; exit 0; fi
 # The sweep's exit code is its worst member's: a crash (any other code) > 3 (a stability
-# abort) > 2 (a config error) > 0 (stabilize/exits.py).
-severity() { case "$1" in 0) echo 0 ;; 2) echo 1 ;; 3) echo 2 ;; *) echo 3 ;; esac; }
-meaning() { case "$1" in 0) echo done ;; 2) echo "config error" ;; 3) echo aborted ;; *) echo crashed ;; esac; }
+# abort) > 2 (a config error) > 4 (preempted: requeue it) > 0 (stabilize/exits.py).
+severity() { case "$1" in 0) echo 0 ;; 4) echo 1 ;; 2) echo 2 ;; 3) echo 3 ;; *) echo 4 ;; esac; }
+meaning() { case "$1" in 0) echo done ;; 2) echo "config error" ;; 3) echo aborted ;; 4) echo preempted ;; *) echo crashed ;; esac; }
 status=0
 for i in "${!members[@]}"; do
   eval "overrides=(${members[$i]})"  # safe: every word was quoted by shlex.quote

@@ -9,6 +9,8 @@ run that stopped on purpose from one that crashed (issue 12, items 7 and 8):
   was written; the one-line message names the key, the value and what is allowed (or the
   file)
 - 3 ``aborted``: a stability abort; the rollback ladder was exhausted (diagnosis.json)
+- 4 ``preempted``: a preemption signal (``trainer.preempt_signals``, SIGTERM by default)
+  stopped the run after a durable checkpoint at that step; requeue it with ``resume=auto``
 - anything else: ``crashed`` (a traceback says where)
 """
 
@@ -22,8 +24,14 @@ EXIT_OK = 0
 EXIT_CRASH = 1
 EXIT_CONFIG = 2
 EXIT_ABORT = 3
+EXIT_PREEMPTED = 4
 
-MEANINGS = {EXIT_OK: "done", EXIT_CONFIG: "config error", EXIT_ABORT: "aborted"}
+MEANINGS = {
+    EXIT_OK: "done",
+    EXIT_CONFIG: "config error",
+    EXIT_ABORT: "aborted",
+    EXIT_PREEMPTED: "preempted",
+}
 
 
 def meaning(code: int) -> str:

@@ -14,27 +14,40 @@ scripts/launch.sh runs this; everything else about torchrun is unchanged.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from pathlib import Path
 
-from stabilize.exits import EXIT_ABORT, EXIT_CONFIG, EXIT_CRASH, meaning
+from stabilize.exits import EXIT_ABORT, EXIT_CONFIG, EXIT_CRASH, EXIT_PREEMPTED, meaning
+
+KEPT = (EXIT_CONFIG, EXIT_ABORT, EXIT_PREEMPTED)  # codes a launch passes on as they are
 
 
 def exit_code(codes: list[int]) -> int:
     """The launch's exit code from its failed ranks' codes, the root cause first."""
-    if codes and codes[0] in (EXIT_CONFIG, EXIT_ABORT):
+    if codes and codes[0] in KEPT:
         return codes[0]
-    for known in (EXIT_ABORT, EXIT_CONFIG):
+    for known in (EXIT_ABORT, EXIT_CONFIG, EXIT_PREEMPTED):
         if known in codes:
             return known
     return codes[0] if codes and codes[0] > 0 else EXIT_CRASH
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     try:
         torchrun(argv)
+    except SignalException as e:  # torchrun itself was signalled (a preemption): it has
+        # forwarded the signal to the workers and waited for them (~30 s, then SIGKILL)
+        code = EXIT_PREEMPTED if _preempted() else 128 + int(e.sigval)
+        why = "checkpointed at the signal" if code == EXIT_PREEMPTED else "no checkpoint"
+        print(f"launch: {meaning(code)} by {e.sigval.name} (exit {code}; {why})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return code
     except ChildFailedError as e:
         root_rank, root = e.get_first_failure()
         others = sorted((r, f.exitcode) for r, f in e.failures.items() if r != root_rank)
@@ -44,6 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: {meaning(code)} (exit {code}; {ranks})", file=sys.stderr, flush=True)
         return code
     return 0
+
+
+def _preempted() -> bool:
+    """Did the workers stop on the signal after a checkpoint? Their ``result.json`` says
+    (``$STABILIZE_RUN_DIR``, the run dir every rank shares under launch.sh)."""
+    run_dir = os.environ.get("STABILIZE_RUN_DIR")
+    try:
+        result = json.loads((Path(run_dir) / "result.json").read_text()) if run_dir else {}
+    except (OSError, ValueError):
+        return False
+    return result.get("status") == "preempted"
 
 
 if __name__ == "__main__":

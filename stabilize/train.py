@@ -31,7 +31,14 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from stabilize.exits import EXIT_ABORT, EXIT_CONFIG, EXIT_CRASH, file_error, one_line
+from stabilize.exits import (
+    EXIT_ABORT,
+    EXIT_CONFIG,
+    EXIT_CRASH,
+    EXIT_PREEMPTED,
+    file_error,
+    one_line,
+)
 from stabilize.lit.rundir import RunDirError, claim
 from stabilize.paths import config_dir
 from stabilize.validate import ConfigError
@@ -118,6 +125,13 @@ def _stability_abort() -> type[BaseException]:
     return StabilityAbort
 
 
+def _preempted() -> type[BaseException]:
+    """``Preempted``, imported only when an exception reaches the handler (as above)."""
+    from stabilize.lit.preempt import Preempted
+
+    return Preempted
+
+
 class RunDirGuard(Callback):
     """Hydra callback (configs/train.yaml ``hydra.callbacks``): claims the run dir before
     Hydra writes its ``.hydra/`` files into it, so a refused launch leaves the dir exactly
@@ -163,6 +177,8 @@ def _app(cfg: DictConfig) -> float | None:
             lines = abort_summary(e.diagnosis, read_events(cfg_run.run_dir), cfg_run.run_dir)
             print("\n".join(lines), file=sys.stderr, flush=True)
         _fail(EXIT_ABORT, None)
+    except _preempted() as e:  # checkpointed at the signal: one line, the requeue code
+        _fail(EXIT_PREEMPTED, str(e))
     except OSError as e:  # a full disk, a permission: name the file, no traceback
         _fail(EXIT_CRASH, file_error(e), every_rank=True)
     m = result["metrics"]

@@ -68,6 +68,13 @@ def series(rows, key) -> dict[int, float]:
     return {int(r["step"]): r[key] for r in rows if key in r}
 
 
+def csv_losses(version_dir) -> dict[int, float]:
+    """{global step: train/loss} of one launch's CSV (``csv/version_N``)."""
+    with open(Path(version_dir) / "metrics.csv", newline="") as f:
+        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
+    return series(rows, "train/loss")
+
+
 def run_cli(args, cwd, env=None, timeout=600):
     """Run a command with the venv's executables first on PATH; returns CompletedProcess."""
     e = dict(os.environ)

@@ -20,7 +20,7 @@ from stabilize.lit.checkpoint import checkpoint_steps, resolve_resume
 from stabilize.lit.rundir import RunDirError
 from stabilize.train import run
 
-from conftest import FAST, compose_run, run_cli, series
+from conftest import FAST, compose_run, csv_losses, run_cli
 
 COMMON = [*FAST, "logger=none", "trainer.max_steps=8", "rollback.durable_every=0"]
 
@@ -44,14 +44,6 @@ def ckpt_names(d: Path) -> list[str]:
 
 def model_step(path: Path) -> int:
     return checkpoint_steps(path)[0]
-
-
-def csv_losses(version_dir: Path) -> dict[int, float]:
-    import csv
-
-    with open(version_dir / "metrics.csv", newline="") as f:
-        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
-    return series(rows, "train/loss")
 
 
 @pytest.fixture(scope="module")

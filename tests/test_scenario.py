@@ -120,9 +120,12 @@ def test_fp32_reduction_has_no_overflow_and_trains_like_the_reference(arms):
     audits = [json.loads(x) for x in (d / "audit.jsonl").read_text().splitlines()]
     assert audits and all(x["dead_share"] == 0 and x["nonfinite_share"] == 0 for x in audits)
     assert json.loads((d / "result.json").read_text())["status"] == "done"
-    bpb = json.loads((d / "final_eval.json").read_text())["bpb"]
-    ref = json.loads((arms["reference"] / "final_eval.json").read_text())["bpb"]
-    assert abs(bpb - ref) < 0.1, (bpb, ref)  # the drift is invisible to a 32-bit reduction
+    # the drift is invisible to a 32-bit reduction: its training gap to the reference (same
+    # seed) is smaller than a change of the reference's seed; the baseline's is far larger
+    final = {a: summarize(load_run_dir(arms[a])).final_loss for a in arms}
+    seeds = abs(final["reference-seed1234"] - final["reference-seed1235"])
+    gap = abs(final["fp32_reduction"] - final["reference"])
+    assert gap < seeds < (final["baseline"] - final["reference"]) / 3, (gap, seeds, final)
 
 
 def test_bf16_survives_but_pays_in_precision_at_the_drifts_magnitude(arms):

@@ -16,6 +16,7 @@ from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLog
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
 from stabilize.lit.config import LoggerConfig, PrecisionConfig, RunConfig, TrainerConfig
 from stabilize.lit.fsdp import fsdp_strategy
+from stabilize.lit.preempt import build as preempt_callback
 from stabilize.lit.progress import PlainProgress, StepBar
 from stabilize.lit.stability import StabilityCallback
 
@@ -134,8 +135,10 @@ def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
     accum = run.optim.accumulate_grad_batches
     progress, bar = progress_callbacks(t)
     max_steps = t.max_steps if t.stop_at_step is None else min(t.max_steps, t.stop_at_step)
+    periodic = PeriodicCheckpoint(run.run_dir, t.checkpoint_every_n_steps, t.keep_checkpoints)
+    preempt = preempt_callback(t.preempt_signals, periodic)
     callbacks = [
-        PeriodicCheckpoint(run.run_dir, t.checkpoint_every_n_steps, t.keep_checkpoints),
+        periodic,
         ThroughputLogger(COMPUTE_DTYPE[run.precision.name]),
         ReplicaCheck(run.run_dir),
         StabilityCallback(run.monitor, run.rollback, run.fault, run.run_dir, accum),
@@ -143,6 +146,7 @@ def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
         StopAtModelStep(max_steps),
         *progress,
         *extra_callbacks,
+        *([preempt] if preempt else []),  # a Checkpoint after the periodic one: the last word
     ]
     return L.Trainer(
         accelerator=accelerator,

@@ -26,6 +26,8 @@ from stabilize.validate import (
     check_range,
 )
 
+# signals a cluster sends before it kills a job (trainer.preempt_signals, lit/preempt.py)
+PREEMPT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 PRECISIONS = ("fp32", "fp16-mixed", "bf16-mixed", "bf16-true")
 SCHEDULES = ("cosine", "linear", "constant")
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -93,8 +95,12 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     # after training, score the whole held-out split (None), its first N batches, or not (0)
     final_eval_batches: int | None = None
+    # signals that mean "preempted": finish the step, checkpoint, exit 4 (lit/preempt.py)
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
 
     def __post_init__(self) -> None:
+        for i, name in enumerate(self.preempt_signals):
+            check_choice(f"trainer.preempt_signals[{i}]", name, PREEMPT_SIGNALS)
         if self.final_eval_batches is not None:
             check_count("trainer.final_eval_batches", self.final_eval_batches)
         for key in ("max_steps", "log_every_n_steps", "val_check_interval", "num_nodes"):

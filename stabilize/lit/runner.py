@@ -20,6 +20,7 @@ from stabilize.lit.build import build_trainer, resolve_accelerator
 from stabilize.lit.checkpoint import checkpoint_steps, resolve_resume
 from stabilize.lit.config import RunConfig
 from stabilize.lit.module import GPTLitModule
+from stabilize.lit.preempt import Preempted
 from stabilize.lit.preflight import preflight
 from stabilize.lit.quiet import quiet
 from stabilize.lit.rundir import RunDirError, already_finished, claim
@@ -77,6 +78,8 @@ def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
             trainer.fit(module, ckpt_path=ckpt)
         except BaseException as e:  # the report tells a finished run from one that stopped
             status = "aborted" if isinstance(e, StabilityAbort) else "failed"
+            if isinstance(e, Preempted):
+                status = "preempted"
             _write_result(run_dir, status, module, trainer, error=f"{type(e).__name__}: {e}")
             raise
         else:
