@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from stabilize.data import DEFAULT_TOKENIZER, DataConfig, choose_tokenizer, follow_vocab
-from stabilize.faults import FaultConfig
+from stabilize.faults import FaultConfig, fault_config
 from stabilize.model import GPTConfig
 from stabilize.model.config import PRESETS
 from stabilize.monitors import MonitorConfig
@@ -181,10 +181,11 @@ class RunConfig:
             ("trainer", TrainerConfig),
             ("logger", LoggerConfig),
             ("rollback", RollbackConfig),
-            ("fault", FaultConfig),
             ("audit", AuditConfig),
         ):
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
+        # the dataclass of the kind ``fault.kind`` names: its knobs only
+        self.fault = fault_config(self.fault)
         # one section per registered monitor (stabilize/monitors/registry.py), not a dataclass
         self.monitor = MonitorConfig.build(self.monitor, "monitor")
         # the |x| line follows the run's precision and reduction (issue 16, item 7)
@@ -263,4 +264,6 @@ class RunConfig:
         d = asdict(self)
         d["norm"] = d["model"].pop("norm")
         d["monitor"] = self.monitor.to_dict()
+        # plain dicts: a checkpoint holds this, and Lightning loads it with weights_only
+        d["rollback"]["remedy"] = dict(d["rollback"]["remedy"])
         return d
