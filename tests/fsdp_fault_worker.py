@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from sharded_worker import finish  # tests/: this script's own folder
 
-from stabilize.faults import FaultConfig, FaultInjector
+from stabilize.faults import FaultConfig, FaultInjector, fault_config
 from stabilize.faults.base import local_part
 from stabilize.model import GPT, GPTConfig
 
@@ -79,7 +79,7 @@ def main(out: str) -> None:
     for name, kw in cases.items():
         m = sharded()
         before = {n: local_part(p).detach().clone() for n, p in m.named_parameters()}
-        step(m, x, FaultConfig(step=1, rank=1, **kw), rank)
+        step(m, x, fault_config(step=1, rank=1, **kw), rank)
         params = dict(m.named_parameters())
         grads = {n: p.grad.full_tensor() for n, p in params.items()}
         own = local_part(params[kw.get("param", BLOCK)].grad)

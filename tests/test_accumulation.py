@@ -102,7 +102,7 @@ def test_a_rollback_mid_run_lands_on_a_window_and_replays_it_whole(ladder, skip,
         f"optim.accumulate_grad_batches={A}",
         "model.dropout=0.1",
         f"rollback.ladder=[{ladder}]",
-        f"rollback.skip_batches={skip or 20}",
+        f"rollback.remedy.skip_data.batches={skip or 20}",
     ]
     check = WindowCheck()
     hit = run(
@@ -179,7 +179,7 @@ def test_torchrun_accumulation_rollback_on_both_ranks_keeps_replicas_identical(t
         "fault.step=6",
         "fault.rank=1",
         "rollback.ladder=[skip_data]",
-        "rollback.skip_batches=3",
+        "rollback.remedy.skip_data.batches=3",
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

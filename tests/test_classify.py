@@ -145,11 +145,11 @@ def test_the_fp16_reduction_overflow_at_init_is_localized_to_a_norm_in_the_backw
 
 @pytest.mark.parametrize("flip", ["param", "grad"])
 def test_a_bitflip_fires_once_on_its_rank_after_the_backward(flip):
-    from stabilize.faults import FaultConfig, FaultInjector
+    from stabilize.faults import FaultInjector, fault_config
 
     model = torch.nn.Linear(3, 2)
     model.weight.grad = torch.zeros_like(model.weight)
-    cfg = FaultConfig(kind="bitflip", step=2, rank=1, param="weight", bit=3, flip=flip)
+    cfg = fault_config(kind="bitflip", step=2, rank=1, param="weight", bit=3, flip=flip)
     other = FaultInjector(cfg, rank=0)
     inj = FaultInjector(cfg, rank=1)
     target = model.weight if flip == "param" else model.weight.grad

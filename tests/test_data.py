@@ -29,6 +29,7 @@ from stabilize.data import (
     register_tokenizer,
     split_stream,
     tokenize,
+    unregister_tokenizer,
 )
 
 DOCS = [
@@ -97,7 +98,7 @@ class ShiftedBytes:
 def shifted():
     register_tokenizer("shifted")(ShiftedBytes)
     yield "shifted"
-    TOKENIZERS.pop("shifted")
+    unregister_tokenizer("shifted")
 
 
 def test_tokenizer_registry_builds_by_name_and_lists_the_registered(shifted):

@@ -44,7 +44,10 @@ CASES = [
     (["model.dropout=nan"], ["model.dropout=nan", "must be a finite number"]),
     (["monitor.grad_spike.threshold=inf"], ["monitor.grad_spike.threshold=inf", "finite"]),
     (["monitor.activation.threshold=nan"], ["monitor.activation.threshold=nan", "finite"]),
-    (["rollback.lr_factor=nan"], ["rollback.lr_factor=nan", "must be a finite number"]),
+    (
+        ["rollback.remedy.lower_lr.factor=nan"],
+        ["rollback.remedy.lower_lr.factor=nan", "must be a finite number"],
+    ),
     (["data.val_fraction=inf"], ["data.val_fraction=inf", "must be a finite number"]),
     (
         ["fault=grad_spike", "fault.step=3", "fault.factor=inf"],

@@ -4,6 +4,7 @@ config (Hydra's ``fault.kind``), driven by the real training loop, caught by the
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,33 +17,37 @@ from stabilize.faults import (
     FaultConfig,
     FaultInjector,
     PointFault,
+    fault_config,
     fault_kinds,
     register_fault,
     unregister_fault,
 )
 from stabilize.train import run
+from stabilize.validate import check_positive
 
 from conftest import CONFIGS, compose_run
 
-BUILT_IN = (
-    "none",
-    "nan_loss",
-    "inf_grad",
-    "grad_spike",
-    "activation_drift",
-    "stream_drift",
-    "bitflip",
-    "poisoned_batch",
-)
+BUILT_IN = fault_kinds()  # before this file registers any: what the package registers
+
+
+@dataclass
+class ScaleLossConfig(FaultConfig):
+    scale: float = 1e6
+    """The loss of the step is multiplied by this."""
+
+    def check(self) -> None:
+        check_positive("fault.scale", self.scale)
 
 
 class ScaleLoss(PointFault):
-    """The step's loss multiplied by 1e6: finite, so only the gradient-norm spike shows it."""
+    """The step's loss multiplied by ``fault.scale`` (1e6): finite, so only the gradient-norm
+    spike shows it."""
 
     kind = "scale_loss"
+    config = ScaleLossConfig
 
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        return loss * 1e6 if self.fires(step) else loss
+        return loss * self.cfg.scale if self.fires(step) else loss
 
 
 @pytest.fixture
@@ -53,22 +58,40 @@ def scale_loss():
 
 
 def test_the_built_in_kinds_and_the_hydra_group_name_the_same_faults():
-    assert fault_kinds() == BUILT_IN  # the allowed values, in this order
+    # (each file's keys and values are its kind's dataclass: tests/test_configs.py)
     for path in sorted((CONFIGS / "fault").glob("*.yaml")):
-        cfg = yaml.safe_load(path.read_text())
-        assert cfg["kind"] == path.stem
-        assert set(cfg) == set(FaultConfig.__dataclass_fields__), path.name  # every key
+        assert yaml.safe_load(path.read_text())["kind"] == path.stem
     assert {p.stem for p in (CONFIGS / "fault").glob("*.yaml")} == set(BUILT_IN)
+    assert "scale_loss" not in BUILT_IN
 
 
 def test_a_registered_kind_is_allowed_and_an_unknown_one_lists_it(scale_loss, tmp_path):
     assert fault_kinds() == (*BUILT_IN, "scale_loss")
-    assert FaultConfig(kind="scale_loss").kind == "scale_loss"
-    cfg = compose_run(tmp_path, ["fault.kind=scale_loss", "fault.step=3"])
-    assert (cfg.fault.kind, cfg.fault.step) == ("scale_loss", 3)
+    assert fault_config(kind="scale_loss") == ScaleLossConfig(kind="scale_loss")
+    cfg = compose_run(tmp_path, ["fault.kind=scale_loss", "fault.step=3", "+fault.scale=10"])
+    assert (cfg.fault.kind, cfg.fault.step, cfg.fault.scale) == ("scale_loss", 3, 10)
+    assert type(cfg.fault) is ScaleLossConfig
     allowed = str([*BUILT_IN, "scale_loss"]).replace("[", r"\[").replace("]", r"\]")
     with pytest.raises(ValueError, match=rf"fault.kind='bogus' is not allowed; allowed: {allowed}"):
         compose_run(tmp_path, ["fault.kind=bogus"])
+
+
+def test_a_knob_is_its_kinds_alone(scale_loss, tmp_path):
+    keys = r"allowed: \['kind', 'step', 'rank', 'persistent', 'enabled', 'scale'\]"
+    with pytest.raises(
+        ValueError, match=rf"fault.factor=7.0 is not a setting of fault.kind='scale_loss'; {keys}"
+    ):
+        fault_config(kind="scale_loss", factor=7.0)
+    with pytest.raises(ValueError, match=r"fault.scale=-1 is not allowed; must be a positive"):
+        fault_config(kind="scale_loss", scale=-1)
+    # a file of the group holds its kind's knobs only: another kind's is added with +
+    drift_knob = r"fault.layer=3 is not a setting of fault.kind='grad_spike'; allowed: \["
+    with pytest.raises(ValueError, match=drift_knob):
+        compose_run(tmp_path, ["fault=grad_spike", "+fault.layer=3"])
+    assert compose_run(tmp_path, ["fault=grad_spike", "fault.factor=7"]).fault.factor == 7.0
+    # the config of a kind with knobs is its own dataclass, never the common one
+    with pytest.raises(ValueError, match=r"fault.kind='scale_loss' is not allowed in a FaultConf"):
+        FaultConfig(kind="scale_loss")
 
 
 def test_unregistering_removes_the_kind_again():
@@ -77,7 +100,7 @@ def test_unregistering_removes_the_kind_again():
     unregister_fault("scale_loss")
     assert fault_kinds() == BUILT_IN
     with pytest.raises(ValueError, match=r"fault.kind='scale_loss' is not allowed; allowed: \["):
-        FaultConfig(kind="scale_loss")
+        fault_config(kind="scale_loss")
     with pytest.raises(ValueError, match="fault.kind='scale_loss' is not allowed"):
         unregister_fault("scale_loss")
 
@@ -97,7 +120,7 @@ def test_a_kind_name_is_taken_once_and_must_be_a_name():
 
 
 def test_the_injector_drives_the_new_kind_at_its_step_once(scale_loss):
-    inj = FaultInjector(FaultConfig(kind="scale_loss", step=3))
+    inj = FaultInjector(fault_config(kind="scale_loss", step=3))
     assert isinstance(inj.fault, ScaleLoss)
     one = torch.tensor(2.0)
     assert [float(inj.on_loss(s, one)) for s in (1, 2, 3, 3, 4)] == [2.0, 2.0, 2e6, 2.0, 2.0]

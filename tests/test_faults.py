@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from stabilize.faults import FaultConfig, FaultInjector
+from stabilize.faults import FaultConfig, FaultInjector, fault_config
 from stabilize.model import GPT, GPTConfig
 
 
@@ -33,7 +33,7 @@ def test_solver_hits_the_target_whatever_the_input():
 
 
 def test_drift_pins_the_max_on_a_path_that_crosses_256_on_the_chosen_step():
-    cfg = FaultConfig(kind="activation_drift", step=3, target_step=None, cross_step=9, target=1e5)
+    cfg = fault_config(kind="activation_drift", step=3, target_step=None, cross_step=9, target=1e5)
     model, inj, seen, x = drifted(cfg)
     maxima = {}
     for step in range(1, 16):
@@ -51,7 +51,7 @@ def test_drift_pins_the_max_on_a_path_that_crosses_256_on_the_chosen_step():
 
 
 def test_outlier_drift_touches_only_its_channels():
-    cfg = FaultConfig(kind="activation_drift", step=1, target_step=5, target=1e3, channels=1)
+    cfg = fault_config(kind="activation_drift", step=1, target_step=5, target=1e3, channels=1)
     model, inj, seen, x = drifted(cfg)
     inj.begin(1)
     with torch.no_grad():
@@ -67,7 +67,7 @@ def test_outlier_drift_touches_only_its_channels():
 
 def test_transient_and_persistent_drift_after_a_rollback():
     for persistent, expect_disabled in ((False, True), (True, False)):
-        cfg = FaultConfig(
+        cfg = fault_config(
             kind="activation_drift", step=2, target_step=6, target=500.0, persistent=persistent
         )
         model, inj, _, x = drifted(cfg)
@@ -81,7 +81,7 @@ def test_transient_and_persistent_drift_after_a_rollback():
 
 
 def test_a_cross_line_below_the_natural_level_is_a_clear_error():
-    cfg = FaultConfig(kind="activation_drift", step=1, target_step=None, cross_step=5, cross=1e-3)
+    cfg = fault_config(kind="activation_drift", step=1, target_step=None, cross_step=5, cross=1e-3)
     model, inj, _, x = drifted(cfg)
     inj.begin(1)
     with pytest.raises(ValueError, match=r"fault.cross=0.001 is not allowed: block 0's \|x\| max"):
@@ -103,4 +103,4 @@ def test_a_cross_line_below_the_natural_level_is_a_clear_error():
 )
 def test_invalid_drift_settings_name_the_key(kw, message):
     with pytest.raises(ValueError, match=message):
-        FaultConfig(kind="activation_drift", step=100, **kw)
+        fault_config(kind="activation_drift", step=100, **kw)

@@ -244,7 +244,8 @@ def test_z_loss_lowers_log_z_against_the_same_run_without_it(tmp_path):
 def test_the_z_loss_rung_switches_z_loss_on_after_a_rollback_and_a_checkpoint_keeps_it(tmp_path):
     last = Last()
     over = [*BASE, "trainer.max_steps=8", "fault=nan_loss", "fault.step=5"]
-    over += ["rollback.snapshot_every=2", "rollback.ladder=[z_loss]", "rollback.z_loss=3e-4"]
+    over += ["rollback.snapshot_every=2", "rollback.ladder=[z_loss]"]
+    over += ["rollback.remedy.z_loss.weight=3e-4"]
     run(compose_run(tmp_path, over), callbacks=[last])
     (rb,) = [e for e in events(tmp_path) if "remedy" in e["extra"]]
     assert rb["extra"]["remedy"] == "z_loss" and rb["extra"]["z_loss"] == 3e-4

@@ -215,7 +215,10 @@ def test_nonfinite_and_loss_scale():
 
 
 def test_suite_runs_enabled_monitors_and_round_trips_state():
-    cfg = MonitorConfig(grad_spike={"window": 20, "warmup": 5}, loss_spike={"enabled": False})
+    # a section given in part is built on its own dataclass's defaults (GradSpikeConfig: warn)
+    assert MonitorConfig(grad_spike={"window": 20}).grad_spike.action == "warn"
+    spike = {"window": 20, "warmup": 5, "threshold": 6.0, "min_ratio": 1.5, "action": "rollback"}
+    cfg = MonitorConfig(grad_spike=spike, loss_spike={"enabled": False})
     suite = MonitorSuite(cfg)
     assert list(suite.monitors) == [
         "activation",

@@ -26,7 +26,7 @@ from stabilize.norms import (
 
 from conftest import FAST, compose_run
 
-BUILTIN = ("layernorm", "rmsnorm", "scalenorm")
+BUILTIN = tuple(NORM_TYPES)  # before this file registers any: what the package registers
 NAME = "test_prmsnorm"
 
 

@@ -22,24 +22,45 @@ CPU_BACKENDS = ["explicit", "torch", "auto"] + (["compiled"] if has_cpp_compiler
 
 
 # ---- independent float64 references (no code shared with stabilize.norms) ----------------
+# One per registered norm type, written from its definition. A type registered without one
+# here fails every test that needs it (``ref_norm``), never falls back to another's.
+def _layernorm64(x, eps):
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(var + eps)
+
+
+def _rmsnorm64(x, eps):
+    return x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps)
+
+
+def _scalenorm64(x, eps):  # g * x / ||x|| with eps under the root; g is a scalar
+    return x / torch.sqrt((x**2).sum(-1, keepdim=True) + eps)
+
+
+# type -> (its reference, the dimensions of its gamma: 1 for [D], 0 for a scalar gain)
+REFERENCES = {
+    "layernorm": (_layernorm64, 1),
+    "rmsnorm": (_rmsnorm64, 1),
+    "scalenorm": (_scalenorm64, 0),
+}
+
+
 def ref_norm(kind, x, w, b, eps):
-    x = x.double()
-    d = x.shape[-1]
-    if kind == "layernorm":
-        mu = x.mean(-1, keepdim=True)
-        var = ((x - mu) ** 2).mean(-1, keepdim=True)
-        y = (x - mu) / torch.sqrt(var + eps)
-    elif kind == "rmsnorm":
-        y = x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps)
-    else:  # scalenorm: g * x / ||x|| with eps under the root
-        y = x / torch.sqrt((x**2).sum(-1, keepdim=True) + eps)
-        assert w is None or w.dim() == 0
-        _ = d
+    if kind not in REFERENCES:
+        pytest.fail(f"norm type {kind!r} has no float64 reference: add one to REFERENCES")
+    reference, gamma_dims = REFERENCES[kind]
+    y = reference(x.double(), eps)
     if w is not None:
+        assert w.dim() == gamma_dims, (kind, tuple(w.shape))
         y = y * w.double()
     if b is not None:
         y = y + b.double()
     return y
+
+
+def test_every_registered_norm_type_has_its_own_reference():
+    assert set(NORM_TYPES) <= set(REFERENCES), set(NORM_TYPES) - set(REFERENCES)
 
 
 def make(kind, d, backend="explicit", reduction="fp32", eps=1e-5, seed=0, **kw):
@@ -140,7 +161,7 @@ def _row_with_300(d=64):
     return x
 
 
-@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm", "scalenorm"])
+@pytest.mark.parametrize("kind", NORM_TYPES)
 def test_fp16_reduction_overflow_zeroes_the_row_and_its_gradient(kind):
     x = _row_with_300().half().requires_grad_()
     norm = make(kind, 64, reduction="fp16")
@@ -158,7 +179,7 @@ def test_fp16_reduction_overflow_zeroes_the_row_and_its_gradient(kind):
     assert rel_err(y[[0, 2, 3]], ref) < 3e-3
 
 
-@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm", "scalenorm"])
+@pytest.mark.parametrize("kind", NORM_TYPES)
 def test_fp32_reduction_rescues_the_same_fp16_input(kind):
     x = _row_with_300().half().requires_grad_()
     norm = make(kind, 64, reduction="fp32")

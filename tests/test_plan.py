@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from stabilize.model import GPT, PRESETS, GPTConfig
+from stabilize.norms import NORM_TYPES
 from stabilize.plan import (
     activations,
     main,
@@ -247,7 +248,7 @@ def test_cli_prints_the_1_3b_plan(tmp_path):
     [
         (
             "norm.type=groupnorm",
-            "norm.type='groupnorm' is not allowed; allowed: ['layernorm', 'rmsnorm', 'scalenorm']",
+            f"norm.type='groupnorm' is not allowed; allowed: {list(NORM_TYPES)}",
         ),
         ("norm=groupnorm", "Available options in 'norm'"),
         ("model.typo=3", "typo"),

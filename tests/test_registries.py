@@ -138,21 +138,30 @@ def test_the_built_in_monitors_declare_what_they_read():
 LARGE_EPS = 1e-3
 
 
+@dataclass
+class LargeEpsConfig:
+    """``rollback.remedy.large_eps``."""
+
+    eps: float = LARGE_EPS
+    """Every norm's eps is set to this."""
+
+
 class LargeEps(Remedy):
-    """Every norm's eps to 1e-3: a module attribute, in no state dict, so a resumed run
-    must re-apply it."""
+    """Every norm's eps to ``rollback.remedy.large_eps.eps``: a module attribute, in no state
+    dict, so a resumed run must re-apply it."""
 
     name = "large_eps"
+    config = LargeEpsConfig
 
     def apply(self, state, cfg):
         n = 0
         for m in state.model.modules():
             if isinstance(m, Norm):
-                m.eps, n = LARGE_EPS, n + 1
-        return {"eps": LARGE_EPS, "norms": n}
+                m.eps, n = cfg.eps, n + 1
+        return {"eps": cfg.eps, "norms": n}
 
-    def reapply(self, state):
-        self.apply(state, None)
+    def reapply(self, state, cfg, times):
+        self.apply(state, cfg)
 
 
 @pytest.fixture

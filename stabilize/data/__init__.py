@@ -38,6 +38,7 @@ from stabilize.data.tokenizer import (
     stream_dtype,
     token_byte_counts,
     tokenize,
+    unregister_tokenizer,
 )
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "load_val_corpus",
     "open_token_cache",
     "register_tokenizer",
+    "unregister_tokenizer",
     "split_stream",
     "stream_dtype",
     "token_byte_counts",

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from stabilize.data.corpus import DOC_SEPARATOR, require_column
-from stabilize.validate import check_choice
+from stabilize.registry import Registry
 
 
 @runtime_checkable
@@ -43,27 +43,29 @@ class Tokenizer(Protocol):
 #   byte; without it every id counts one byte (true of ``bytes`` only).
 
 
-# name -> a zero-argument factory (usually the class itself).
-TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {}
+# name -> a zero-argument factory (usually the class itself); tokenizers have no settings.
+TOKENIZERS: Registry[Callable[[], Tokenizer]] = Registry("tokenizer")
 DEFAULT_TOKENIZER = "bytes"
 
 
 def register_tokenizer(name: str) -> Callable[[Callable[[], Tokenizer]], Callable[[], Tokenizer]]:
-    """Class decorator: make the tokenizer buildable by ``name``."""
+    """Class decorator: make the tokenizer buildable by ``name`` (the same class again is a
+    no-op; another one under a taken name is refused)."""
 
     def add(factory: Callable[[], Tokenizer]) -> Callable[[], Tokenizer]:
-        if name in TOKENIZERS and TOKENIZERS[name] is not factory:
-            raise ValueError(f"tokenizer {name!r} is already registered ({TOKENIZERS[name]!r})")
-        TOKENIZERS[name] = factory
-        return factory
+        return TOKENIZERS.register(name, factory)
 
     return add
 
 
+def unregister_tokenizer(name: str) -> None:
+    """Remove a registered tokenizer (tests registering their own clean up with this)."""
+    TOKENIZERS.unregister(name)
+
+
 def build_tokenizer(name: str = DEFAULT_TOKENIZER) -> Tokenizer:
     """The registered tokenizer called ``name``; an unknown name lists the registered ones."""
-    check_choice("tokenizer", name, sorted(TOKENIZERS))
-    return TOKENIZERS[name]()
+    return TOKENIZERS.lookup(name)()
 
 
 @register_tokenizer("bytes")

@@ -8,9 +8,11 @@ forward, rollback and checkpoint state), registered by name (``base.register_fau
 Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike`` (``point.py``),
 ``activation_drift`` (``drift.py``), ``stream_drift`` (``stream.py``), ``bitflip`` and
 ``poisoned_batch`` (``silent.py``).
-To add one: subclass ``PointFault`` (or ``Fault``), set ``kind``, override the hooks it
-needs, decorate it with ``@register_fault``, import its module below, and add
-``configs/fault/<kind>.yaml``.
+Each has its config dataclass (``FaultConfig``'s common keys plus its own knobs);
+``fault_config`` builds the one ``fault.kind`` names. To add one: subclass ``PointFault``
+(or ``Fault``), set ``kind`` and ``config`` (a ``FaultConfig`` subclass with its knobs),
+override the hooks it needs, decorate it with ``@register_fault``, import its module below,
+and add ``configs/fault/<kind>.yaml`` (the common keys and its knobs).
 """
 
 from stabilize.faults.base import (
@@ -21,31 +23,38 @@ from stabilize.faults.base import (
     register_fault,
     unregister_fault,
 )
-from stabilize.faults.config import FaultConfig
+from stabilize.faults.config import FaultConfig, fault_config
 
 # The built-in kinds register on import, in this order (the order of the allowed values).
 # isort: off
-from stabilize.faults.point import GradSpike, InfGrad, NanLoss, NoFault
-from stabilize.faults.drift import ActivationDrift
+from stabilize.faults.point import GradSpike, GradSpikeFaultConfig, InfGrad, InfGradConfig
+from stabilize.faults.point import NanLoss, NoFault
+from stabilize.faults.drift import ActivationDrift, ActivationDriftConfig
 from stabilize.faults.stream import StreamDrift
-from stabilize.faults.silent import BitFlip, PoisonedBatch
+from stabilize.faults.silent import BitFlip, BitFlipConfig, PoisonedBatch, PoisonedBatchConfig
 from stabilize.faults.injector import FaultInjector
 # isort: on
 
 __all__ = [
     "ActivationDrift",
+    "ActivationDriftConfig",
     "BitFlip",
+    "BitFlipConfig",
     "Fault",
     "FaultConfig",
     "FaultInjector",
     "GradSpike",
+    "GradSpikeFaultConfig",
     "InfGrad",
+    "InfGradConfig",
     "NanLoss",
     "NoFault",
     "PointFault",
     "PoisonedBatch",
+    "PoisonedBatchConfig",
     "StreamDrift",
     "fault_class",
+    "fault_config",
     "fault_kinds",
     "register_fault",
     "unregister_fault",

@@ -15,40 +15,46 @@ once, before the monitors' hooks, for faults that live in the forward. The stabi
 callback snapshots ``snapshot_state()`` with every model snapshot, calls
 ``on_rollback(that state)`` when it restores one, and checkpoints ``state_dict()``.
 
-A kind is registered once, by the class that implements it::
+A kind is registered once, by the class that implements it, with the dataclass of its
+settings (``config``: the common ``FaultConfig`` keys plus the kind's knobs)::
+
+    @dataclass
+    class ScaleLossConfig(FaultConfig):
+        scale: float = 1e6
 
     @register_fault
     class ScaleLoss(PointFault):
         kind = "scale_loss"
+        config = ScaleLossConfig
         ...
 
-and from then on ``fault.kind=scale_loss`` is accepted by ``FaultConfig`` (the allowed
-values of its error message are the registered names, in registration order) and built
-by ``FaultInjector``. The built-in kinds register when ``stabilize.faults`` is imported.
+and from then on ``fault.kind=scale_loss`` is accepted by ``fault_config`` (the allowed
+values of its error message are the registered names, in registration order), with
+``fault.scale``, and built by ``FaultInjector``. The built-in kinds register when
+``stabilize.faults`` is imported.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from stabilize.validate import check_choice
-
-if TYPE_CHECKING:
-    from stabilize.faults.config import FaultConfig
+from stabilize.faults.config import FAULTS, FaultConfig
 
 
 class Fault:
     """One fault kind: every hook a no-op, so a kind overrides only the ones it uses.
 
-    Subclasses set ``kind`` (the ``fault.kind`` name) and register with
-    ``@register_fault``. ``validate`` checks the kind's own settings at config time.
+    Subclasses set ``kind`` (the ``fault.kind`` name) and ``config`` (the dataclass of its
+    settings) and register with ``@register_fault``. ``validate`` checks the kind's
+    settings against each other at config time (each knob alone: the config's ``check``).
     """
 
     kind: ClassVar[str] = ""
+    config: ClassVar[type[FaultConfig]] = FaultConfig
 
     def __init__(self, cfg: FaultConfig, rank: int = 0):
         self.cfg = cfg
@@ -174,35 +180,31 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the registry -------------------------------------------------------------------------
-_FAULTS: dict[str, type[Fault]] = {}
-
-
 def register_fault(cls: type[Fault]) -> type[Fault]:
-    """Register ``cls`` under ``cls.kind`` (a class decorator; returns ``cls``)."""
+    """Register ``cls`` under ``cls.kind``, with ``cls.config`` (a class decorator; returns
+    ``cls``)."""
     kind = getattr(cls, "kind", None)
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"{cls.__qualname__}.kind={kind!r} is not allowed; must be a name")
-    if kind in _FAULTS and _FAULTS[kind] is not cls:
-        old = _FAULTS[kind]
+    if not (isinstance(cls.config, type) and issubclass(cls.config, FaultConfig)):
         raise ValueError(
-            f"fault.kind={kind!r} is already registered by {old.__module__}.{old.__qualname__}"
+            f"{cls.__qualname__}.config={cls.config!r} is not allowed; must be FaultConfig "
+            "or a dataclass subclass of it"
         )
-    _FAULTS[kind] = cls
+    FAULTS.register(kind, cls, cls.config)
     return cls
 
 
 def unregister_fault(kind: str) -> None:
     """Remove a kind (tests that register their own clean up with this)."""
-    check_choice("fault.kind", kind, _FAULTS)
-    del _FAULTS[kind]
+    FAULTS.unregister(kind)
 
 
 def fault_kinds() -> tuple[str, ...]:
     """The names ``fault.kind`` accepts, in registration order."""
-    return tuple(_FAULTS)
+    return tuple(FAULTS)
 
 
 def fault_class(kind: str) -> type[Fault]:
     """The class registered under ``kind``; an unknown name fails with the allowed ones."""
-    check_choice("fault.kind", kind, _FAULTS)
-    return _FAULTS[kind]
+    return FAULTS.lookup(kind)

@@ -1,20 +1,36 @@
-"""``FaultConfig``: the ``fault`` settings (the Hydra ``fault=`` group, configs/fault/).
+"""``FaultConfig``: the ``fault`` settings every kind shares (the Hydra ``fault=`` group,
+configs/fault/), the registry of kinds, and ``fault_config``, which builds a kind's config.
 
-One flat dataclass for every kind, so each YAML of the group lists every key and an
-override such as ``fault.kind=grad_spike fault.factor=1e4`` composes on any of them. The
-kind's own cross-field checks live with its class (``Fault.validate``).
+Each kind registers its class and its config dataclass (``Fault.config``): ``FaultConfig``
+itself for a kind with no settings of its own, else a subclass that adds only the kind's
+knobs (``GradSpikeConfig``: ``factor``). ``fault_config`` picks the dataclass by
+``fault.kind``, so ``fault.factor`` is a setting of ``grad_spike`` only, and a knob of
+another kind is refused with the key, the value and the kind's keys. Each YAML of the
+group lists the common keys and its kind's knobs, with the dataclass's defaults
+(tests/test_configs.py).
+
+This module imports no fault class (``base.py`` imports it): the kind's own cross-field
+checks are called through the registry (``Fault.validate``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from stabilize.faults.base import fault_class
-from stabilize.validate import ConfigError, check_choice, check_positive, check_range
+from stabilize.registry import Registry
+from stabilize.validate import ConfigError, build_dataclass, check_positive
+
+FAULTS: Registry = Registry("fault.kind")
+"""kind -> its ``Fault`` class, with its config dataclass (``FAULTS.config(kind)``)."""
 
 
 @dataclass
 class FaultConfig:
+    """The keys of every kind; a kind with knobs registers a subclass holding them."""
+
     kind: str = "none"
     """A registered fault kind (``stabilize.faults.fault_kinds()``); ``none``: no fault."""
     step: int = 100
@@ -24,48 +40,18 @@ class FaultConfig:
     persistent: bool = False
     """True: fires again each time the model reaches ``step`` (a deterministic bug, recurs
     after a rollback); False: once per run (a transient fault)."""
-    factor: float = 100.0
-    """grad_spike: gradients multiplied by this."""
-    param: str | None = None
-    """inf_grad: the parameter whose gradient turns inf (None: the first one)."""
-    layer: int = 0
-    """activation_drift: the block whose output drifts."""
-    target: float = 1e4
-    """activation_drift: the |x| max to reach ..."""
-    target_step: int | None = 150
-    """... at this step, or (None) at the rate ``cross_step`` sets."""
-    cross_step: int | None = None
-    """activation_drift: |x| max first passes ``cross`` at this step (the rate follows)."""
-    cross: float = 256.0
-    """The line ``cross_step`` refers to (256: the first fp16 square that is inf)."""
-    channels: int | None = None
-    """activation_drift: drift only the first k channels, an outlier feature (None: all)."""
-    keep_growing: bool = False
-    """activation_drift past the target: hold (False) or keep the rate (True)."""
-    batch: int | None = None
-    """poisoned_batch: the data position (micro-batch number, ``data_step``) whose batch
-    gives a non-finite loss every time it is trained on."""
-    bit: int = 20
-    """bitflip: the bit flipped in element 0 of ``param`` (0: the lowest mantissa bit of an
-    fp32; 23-30: the exponent, a huge or tiny value; 31: the sign)."""
-    flip: str = "param"
-    """bitflip: flip the parameter itself (silent: only the replica check sees it) or its
-    gradient (``grad``), after the all-reduce, on ``rank`` only."""
+    enabled: bool = True
+    """False: the configured fault never fires (its settings stay checked and recorded):
+    a scenario's healthy reference is its fault run with ``fault.enabled=false``."""
 
     def __post_init__(self):
-        cls = fault_class(self.kind)  # an unknown kind fails with the registered ones
-        # every key is checked whatever the kind: the group's YAMLs carry them all
+        want = FAULTS.config(self.kind)  # an unknown kind fails with the registered ones
+        if type(self) is not want:
+            raise ConfigError(
+                f"fault.kind={self.kind!r} is not allowed in a {type(self).__name__}; its "
+                f"settings are a {want.__name__} (build it with fault_config(kind=...))"
+            )
         check_positive("fault.step", self.step, integer=True)
-        check_positive("fault.factor", self.factor)
-        check_positive("fault.target", self.target)
-        check_positive("fault.cross", self.cross)
-        if self.batch is not None:
-            check_range("fault.batch", self.batch, 0, float("inf"))
-        if isinstance(self.bit, bool) or not isinstance(self.bit, int) or not 0 <= self.bit < 32:
-            raise ConfigError(f"fault.bit={self.bit!r} is not allowed; allowed: an int in [0, 32)")
-        check_choice("fault.flip", self.flip, ("param", "grad"))
-        if self.channels is not None:
-            check_positive("fault.channels", self.channels, integer=True)
         # The upper bounds (max_steps, the world size) are checked where they are known:
         # RunConfig and the start-up checks (stabilize/lit/preflight.py).
         if self.rank is not None and (
@@ -75,4 +61,29 @@ class FaultConfig:
                 f"fault.rank={self.rank!r} is not allowed; allowed: null (every rank) or a "
                 "rank in [0, world size)"
             )
-        cls.validate(self)
+        self.check()
+        FAULTS[self.kind].validate(self)
+
+    def check(self) -> None:
+        """The kind's own knobs, one by one (a subclass overrides this)."""
+
+
+def fault_config(values: Mapping[str, Any] | FaultConfig | None = None, /, **kw: Any):
+    """The config of the kind ``fault.kind`` names, from a mapping of settings (or keyword
+    arguments); an instance passes through. A key that is not a setting of that kind is
+    refused with the key, its value and the kind's keys."""
+    if isinstance(values, FaultConfig):
+        return build_dataclass(type(values), values, "fault")
+    if values is not None and not isinstance(values, Mapping):
+        raise ConfigError(f"fault={values!r} is not allowed; expected a mapping of settings")
+    values = {**(values or {}), **kw}
+    kind = values.get("kind", FaultConfig.kind)
+    cls = FAULTS.config(kind)
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in allowed:
+            raise ConfigError(
+                f"fault.{key}={values[key]!r} is not a setting of fault.kind={kind!r}; "
+                f"allowed: {allowed}"
+            )
+    return build_dataclass(cls, values, "fault")

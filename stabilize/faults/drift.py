@@ -18,12 +18,38 @@ two host reads per forward of the faulty block; only drift runs pay it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from stabilize.faults.base import Fault, register_fault
 from stabilize.faults.config import FaultConfig
+from stabilize.validate import check_positive
+
+
+@dataclass
+class ActivationDriftConfig(FaultConfig):
+    layer: int = 0
+    """The block whose output drifts."""
+    target: float = 1e4
+    """The |x| max to reach ..."""
+    target_step: int | None = 150
+    """... at this step, or (None) at the rate ``cross_step`` sets."""
+    cross_step: int | None = None
+    """|x| max first passes ``cross`` at this step (the rate follows)."""
+    cross: float = 256.0
+    """The line ``cross_step`` refers to (256: the first fp16 square that is inf)."""
+    channels: int | None = None
+    """Drift only the first k channels, an outlier feature (None: all)."""
+    keep_growing: bool = False
+    """Past the target: hold (False) or keep the rate (True)."""
+
+    def check(self) -> None:
+        check_positive("fault.target", self.target)
+        check_positive("fault.cross", self.cross)
+        if self.channels is not None:
+            check_positive("fault.channels", self.channels, integer=True)
 
 
 @register_fault
@@ -33,6 +59,7 @@ class ActivationDrift(Fault):
     ``keep_growing``). Its course (``drift_factor``, ``drift_start``) rewinds on rollback."""
 
     kind = "activation_drift"
+    config = ActivationDriftConfig
 
     def __init__(self, cfg: FaultConfig, rank: int = 0):
         super().__init__(cfg, rank)

@@ -25,7 +25,8 @@ class FaultInjector:
     def __init__(self, cfg: FaultConfig, rank: int = 0):
         self.cfg = cfg
         self.rank = rank
-        self.fault: Fault = fault_class(cfg.kind)(cfg, rank)
+        # a disabled fault is configured (and recorded) but never fires: no hook at all
+        self.fault: Fault = fault_class(cfg.kind if cfg.enabled else "none")(cfg, rank)
         self._armed: list = []  # gradient hooks of the step in flight
 
     # ---- the state of the fault, as attributes -------------------------------------------

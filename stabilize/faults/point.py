@@ -6,11 +6,15 @@ persistent); the monitors must see it at that step and roll it back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from stabilize.faults.base import Fault, PointFault, grad_targets, register_fault
+from stabilize.faults.config import FaultConfig
+from stabilize.validate import check_positive
 
 
 @register_fault
@@ -31,6 +35,12 @@ class NanLoss(PointFault):
         return loss * float("nan") if self.fires(step) else loss
 
 
+@dataclass
+class InfGradConfig(FaultConfig):
+    param: str | None = None
+    """The parameter whose gradient turns inf (None: the first one)."""
+
+
 @register_fault
 class InfGrad(PointFault):
     """One element of one parameter's gradient (``fault.param``, default the first
@@ -39,6 +49,7 @@ class InfGrad(PointFault):
     whichever rank it was injected on."""
 
     kind = "inf_grad"
+    config = InfGradConfig
 
     def arm(self, step: int, model: nn.Module) -> list[RemovableHandle]:
         if not self.fires(step):
@@ -58,12 +69,22 @@ class InfGrad(PointFault):
         return [params[name].register_hook(poison)]
 
 
+@dataclass
+class GradSpikeFaultConfig(FaultConfig):
+    factor: float = 100.0
+    """Gradients multiplied by this."""
+
+    def check(self) -> None:
+        check_positive("fault.factor", self.factor)
+
+
 @register_fault
 class GradSpike(PointFault):
     """Every gradient of the step is multiplied by ``fault.factor``: the ``grad_spike``
     monitor's case (finite, just far too large)."""
 
     kind = "grad_spike"
+    config = GradSpikeFaultConfig
 
     def arm(self, step: int, model: nn.Module) -> list[RemovableHandle]:
         if not self.fires(step):

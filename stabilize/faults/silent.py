@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from stabilize.faults.base import Fault, PointFault, local_part, register_fault
 from stabilize.faults.config import FaultConfig
+from stabilize.validate import ConfigError, check_choice, check_range
 
 
 def flip_bit(t: torch.Tensor, bit: int) -> None:
@@ -29,9 +32,27 @@ def flip_bit(t: torch.Tensor, bit: int) -> None:
         view ^= 1 << bit if bit < 8 * t.element_size() - 1 else -(1 << bit)
 
 
+@dataclass
+class BitFlipConfig(FaultConfig):
+    param: str | None = "h.1.mlp.c_fc.weight"
+    """The parameter whose bit flips (None: the first one)."""
+    bit: int = 20
+    """The bit flipped in element 0 of ``param`` (0: the lowest mantissa bit of an fp32;
+    23-30: the exponent, a huge or tiny value; 31: the sign)."""
+    flip: str = "param"
+    """Flip the parameter itself (silent: only the replica check sees it) or its gradient
+    (``grad``), after the all-reduce, on ``rank`` only."""
+
+    def check(self) -> None:
+        if isinstance(self.bit, bool) or not isinstance(self.bit, int) or not 0 <= self.bit < 32:
+            raise ConfigError(f"fault.bit={self.bit!r} is not allowed; allowed: an int in [0, 32)")
+        check_choice("fault.flip", self.flip, ("param", "grad"))
+
+
 @register_fault
 class BitFlip(PointFault):
     kind = "bitflip"
+    config = BitFlipConfig
 
     @classmethod
     def validate(cls, cfg: FaultConfig) -> None:
@@ -51,9 +72,23 @@ class BitFlip(PointFault):
             flip_bit(local_part(target), self.cfg.bit)
 
 
+@dataclass
+class PoisonedBatchConfig(FaultConfig):
+    step: int = 1
+    """Unused: the batch, not the step, is poisoned."""
+    batch: int | None = 10
+    """The data position (micro-batch number, ``data_step``) whose batch gives a non-finite
+    loss every time it is trained on."""
+
+    def check(self) -> None:
+        if self.batch is not None:
+            check_range("fault.batch", self.batch, 0, float("inf"))
+
+
 @register_fault
 class PoisonedBatch(Fault):
     kind = "poisoned_batch"
+    config = PoisonedBatchConfig
 
     @classmethod
     def validate(cls, cfg: FaultConfig) -> None:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from stabilize.data import DEFAULT_TOKENIZER, DataConfig, choose_tokenizer, follow_vocab
-from stabilize.faults import FaultConfig
+from stabilize.faults import FaultConfig, fault_config
 from stabilize.model import GPTConfig
 from stabilize.model.config import PRESETS
 from stabilize.monitors import MonitorConfig
@@ -187,10 +187,11 @@ class RunConfig:
             ("trainer", TrainerConfig),
             ("logger", LoggerConfig),
             ("rollback", RollbackConfig),
-            ("fault", FaultConfig),
             ("audit", AuditConfig),
         ):
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
+        # the dataclass of the kind ``fault.kind`` names: its knobs only
+        self.fault = fault_config(self.fault)
         # one section per registered monitor (stabilize/monitors/registry.py), not a dataclass
         self.monitor = MonitorConfig.build(self.monitor, "monitor")
         # the |x| line follows the run's precision and reduction (issue 16, item 7)
@@ -199,7 +200,7 @@ class RunConfig:
             red = self.model.norm.reduction_dtype
             self.monitor.sections["activation"] = resolve_line(act, self.precision.name, red)
 
-        drift = self.fault.kind in ("activation_drift", "stream_drift")
+        drift = self.fault.enabled and self.fault.kind in ("activation_drift", "stream_drift")
         if drift and not 0 <= self.fault.layer < self.model.n_layer:
             raise ConfigError(
                 f"fault.layer={self.fault.layer} is not allowed with model.n_layer="
@@ -226,7 +227,8 @@ class RunConfig:
         """A fault drill that cannot fire is refused, not silently skipped (issue 12, item 5):
         its step must be one the run reaches. (The rank is checked against the world size
         at start-up, ``lit/preflight.py``; the parameter against the model's names there.)"""
-        if self.fault.kind != "none" and self.fault.step > self.trainer.max_steps:
+        armed = self.fault.enabled and self.fault.kind != "none"
+        if armed and self.fault.step > self.trainer.max_steps:
             raise ConfigError(
                 f"fault.step={self.fault.step} is not allowed with trainer.max_steps="
                 f"{self.trainer.max_steps} (the fault would never fire); allowed: 1 .. "
@@ -270,4 +272,6 @@ class RunConfig:
         d = asdict(self)
         d["norm"] = d["model"].pop("norm")
         d["monitor"] = self.monitor.to_dict()
+        # plain dicts: a checkpoint holds this, and Lightning loads it with weights_only
+        d["rollback"]["remedy"] = dict(d["rollback"]["remedy"])
         return d

@@ -88,7 +88,7 @@ def check_fault_rank(cfg: RunConfig, world: int) -> None:
 
 
 def check_fault_param(cfg: RunConfig, names: list[str]) -> None:
-    param = cfg.fault.param
+    param = getattr(cfg.fault, "param", None)  # the kinds aimed at one parameter
     if param is None or param in names:
         return
     # A deep model has hundreds of names: list those outside the blocks and block 0's.

@@ -31,4 +31,4 @@ def restore_state(module, state: dict[str, Any]) -> None:
     module.skipped |= set(state.get("skipped", []))
     module.data_step = module.next_position(module.data_step)
     # what the state dict does not hold (fp32_reduction's norm switch): re-applied
-    reapply_remedies(module, module.remedies)
+    reapply_remedies(module, module.remedies, module.cfg.rollback.remedy)

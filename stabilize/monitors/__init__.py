@@ -27,7 +27,13 @@ from stabilize.monitors.health import (
     NonFiniteMonitor,
 )
 from stabilize.monitors.registry import MONITORS, Monitor, register_monitor, unregister_monitor
-from stabilize.monitors.spikes import SpikeConfig, SpikeDetector, SpikeMonitor
+from stabilize.monitors.spikes import (
+    GradSpikeConfig,
+    LossSpikeConfig,
+    SpikeConfig,
+    SpikeDetector,
+    SpikeMonitor,
+)
 from stabilize.monitors.suite import MonitorConfig, MonitorSuite
 
 __all__ = [
@@ -42,8 +48,10 @@ __all__ = [
     "ActivationConfig",
     "ActivationMonitor",
     "Event",
+    "GradSpikeConfig",
     "LossScaleConfig",
     "LossScaleMonitor",
+    "LossSpikeConfig",
     "Monitor",
     "MonitorConfig",
     "MonitorSuite",

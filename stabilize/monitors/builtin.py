@@ -24,23 +24,13 @@ from stabilize.monitors.logits import (
 )
 from stabilize.monitors.registry import register_monitor
 from stabilize.monitors.replicas import ReplicasConfig, ReplicasMonitor
-from stabilize.monitors.spikes import SpikeConfig, SpikeMonitor
+from stabilize.monitors.spikes import GradSpikeConfig, LossSpikeConfig, SpikeMonitor
 
 register_monitor("activation", ActivationConfig, ActivationMonitor.from_config)
-# Gradient clipping absorbs most grad-norm spikes, and small batches have real 10-20x ones
-# (measured on the tiny model): warn by default. A loss spike is the PaLM case.
 register_monitor(
-    "grad_spike",
-    SpikeConfig,
-    partial(SpikeMonitor.from_config, series="grad_norm"),
-    defaults={"warmup": 50, "threshold": 8.0, "min_ratio": 4.0, "action": "warn"},
+    "grad_spike", GradSpikeConfig, partial(SpikeMonitor.from_config, series="grad_norm")
 )
-register_monitor(
-    "loss_spike",
-    SpikeConfig,
-    partial(SpikeMonitor.from_config, series="loss"),
-    defaults={"warmup": 50, "threshold": 8.0, "min_ratio": 1.5},
-)
+register_monitor("loss_spike", LossSpikeConfig, partial(SpikeMonitor.from_config, series="loss"))
 register_monitor("nonfinite", NonFiniteConfig, NonFiniteMonitor.from_config, flag=True)
 register_monitor("loss_scale", LossScaleConfig, LossScaleMonitor.from_config)
 # issue 15 item 4: attention and output logits (monitors/logits.py)

@@ -11,11 +11,12 @@ order (the order of their events within a step). Built-in monitors are registere
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from stabilize.monitors.events import Event, StepStats
+from stabilize.registry import Registry, origin
 
 
 @runtime_checkable
@@ -48,38 +49,33 @@ class MonitorEntry:
     name: str
     """The config section (``monitor.<name>``) and the suite's key."""
     config: type
-    """Its config dataclass; must have an ``enabled`` field."""
+    """Its config dataclass; must have an ``enabled`` field. Its defaults are the
+    section's defaults (two sections share a detector through two subclasses, e.g.
+    ``GradSpikeConfig`` and ``LossSpikeConfig``)."""
     build: Callable[[str, Any], Monitor]
     """(name, config) -> the monitor."""
-    defaults: Mapping[str, Any]
-    """This section's defaults where they differ from the dataclass's (two sections may
-    share one config class, e.g. grad_spike and loss_spike)."""
     flag: bool
     """The section may be written as a bare bool (``nonfinite: true``): its ``enabled``."""
 
+    @property
+    def registered_by(self) -> str:
+        return origin(self.config)
 
-MONITORS: dict[str, MonitorEntry] = {}
+
+MONITORS: Registry[MonitorEntry] = Registry("monitor", reserved=("enabled",))
 
 
 def register_monitor(
-    name: str,
-    config: type,
-    build: Callable[[str, Any], Monitor],
-    *,
-    defaults: Mapping[str, Any] | None = None,
-    flag: bool = False,
+    name: str, config: type, build: Callable[[str, Any], Monitor], *, flag: bool = False
 ) -> None:
     """Register a monitor under its config section ``name`` (appended: it runs last)."""
-    if name in MONITORS or name == "enabled":
-        raise ValueError(f"monitor {name!r} is already registered (or reserved)")
     names = {f.name for f in dataclasses.fields(config)}
     if "enabled" not in names:
         raise ValueError(f"monitor {name!r}: its config {config.__name__} needs an `enabled` field")
-    defaults = dict(defaults or {})
-    config(**defaults)  # the defaults themselves must be valid settings
-    MONITORS[name] = MonitorEntry(name, config, build, defaults, flag)
+    config()  # the defaults themselves must be valid settings
+    MONITORS.register(name, MonitorEntry(name, config, build, flag), config)
 
 
 def unregister_monitor(name: str) -> None:
     """Remove a registered monitor (tests registering their own clean up with this)."""
-    del MONITORS[name]
+    MONITORS.unregister(name)

@@ -24,6 +24,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 
 from stabilize.monitors.events import ROLLBACK, WARN, Event, StepStats
 from stabilize.validate import check_choice, check_positive
@@ -116,7 +117,11 @@ class SpikeDetector:
 
 @dataclass
 class SpikeConfig:
-    """``monitor.grad_spike`` / ``monitor.loss_spike``: one spike detector on one series."""
+    """One spike detector on one series; each section that runs one has its subclass
+    (``GradSpikeConfig``, ``LossSpikeConfig``): its own defaults, and its own key in errors."""
+
+    section: ClassVar[str] = "spike"
+    """The ``monitor.<section>`` the settings are read from (named by every error)."""
 
     enabled: bool = True
     """Run this monitor."""
@@ -132,11 +137,34 @@ class SpikeConfig:
     """warn | rollback: the event a spike raises."""
 
     def __post_init__(self):
+        key = f"monitor.{self.section}"
         for k in ("window", "warmup"):
-            check_positive(f"monitor.spike.{k}", getattr(self, k), integer=True)
-        check_positive("monitor.spike.threshold", self.threshold)
-        check_positive("monitor.spike.min_ratio", self.min_ratio)
-        check_choice("monitor.spike.action", self.action, ("warn", "rollback"))
+            check_positive(f"{key}.{k}", getattr(self, k), integer=True)
+        check_positive(f"{key}.threshold", self.threshold)
+        check_positive(f"{key}.min_ratio", self.min_ratio)
+        check_choice(f"{key}.action", self.action, ("warn", "rollback"))
+
+
+# Gradient clipping absorbs most grad-norm spikes, and small batches have real 10-20x ones
+# (measured on the tiny model): warn by default. A loss spike is the PaLM case.
+@dataclass
+class GradSpikeConfig(SpikeConfig):
+    """``monitor.grad_spike``: the pre-clip gradient norm's spikes."""
+
+    section: ClassVar[str] = "grad_spike"
+    warmup: int = 50
+    threshold: float = 8.0
+    min_ratio: float = 4.0
+    action: str = "warn"
+
+
+@dataclass
+class LossSpikeConfig(SpikeConfig):
+    """``monitor.loss_spike``: the loss's spikes."""
+
+    section: ClassVar[str] = "loss_spike"
+    warmup: int = 50
+    threshold: float = 8.0
 
 
 class SpikeMonitor:

@@ -12,7 +12,7 @@ from typing import Any
 
 from stabilize.monitors.events import STEP_FIELDS, Event, StepStats
 from stabilize.monitors.registry import MONITORS, Monitor
-from stabilize.validate import build_dataclass, check_choice
+from stabilize.validate import check_choice
 
 
 class MonitorConfig:
@@ -23,18 +23,13 @@ class MonitorConfig:
 
     def __init__(self, enabled: bool = True, **sections: Any):
         self.enabled = enabled
-        allowed = ["enabled", *MONITORS]
-        unknown = sorted(set(sections) - set(MONITORS))
-        if unknown:
-            raise ValueError(f"monitor.{unknown[0]} is not a known setting; allowed: {allowed}")
-        self.sections: dict[str, Any] = {}
-        for name, entry in MONITORS.items():
-            # the section's own defaults when it is left out; a given mapping is built on
-            # the dataclass's (as a dataclass field's default_factory would behave)
-            value = sections.get(name, dict(entry.defaults))
-            if entry.flag and isinstance(value, bool):
-                value = {"enabled": value}
-            self.sections[name] = build_dataclass(entry.config, value, f"monitor.{name}")
+
+        def bare_flag(name: str, value: Any) -> Any:
+            return {"enabled": value} if MONITORS[name].flag and isinstance(value, bool) else value
+
+        self.sections: dict[str, Any] = MONITORS.build_sections(
+            sections, "monitor", also_allowed=["enabled"], prepare=bare_flag
+        )
 
     @classmethod
     def build(cls, value: Any, key: str = "monitor") -> MonitorConfig:

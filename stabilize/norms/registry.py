@@ -22,12 +22,12 @@ config, built by ``build_norm`` and trained like a built-in one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
 import torch
 
-from stabilize.validate import check_choice
+from stabilize.registry import Registry
 
 # Backends whose work a norm type implements itself (the others run ``normalize``).
 KERNEL_BACKENDS = ("torch", "apex", "fused")
@@ -93,7 +93,7 @@ class NormType:
         return f"<norm type {self.name!r}>"
 
 
-_REGISTRY: dict[str, NormType] = {}
+_REGISTRY: Registry[NormType] = Registry("norm.type")
 T = TypeVar("T", bound=type[NormType])
 
 
@@ -104,45 +104,20 @@ def register_norm(cls: T) -> T:
     name = cls.name
     if not name or not isinstance(name, str):
         raise ValueError(f"{cls.__name__}.name must be a non-empty string, got {name!r}")
-    if name in _REGISTRY:
-        taken = type(_REGISTRY[name])
-        raise ValueError(
-            f"norm.type={name!r} is already registered by {taken.__module__}.{taken.__qualname__}"
-        )
-    _REGISTRY[name] = cls()
+    # one stateless instance per name (a new one each call: registering twice is refused)
+    _REGISTRY.register(name, cls())
     return cls
 
 
 def unregister_norm(name: str) -> None:
     """Remove a registered type (tests that register their own restore the registry)."""
-    check_choice("norm.type", name, _REGISTRY)
-    del _REGISTRY[name]
+    _REGISTRY.unregister(name)
 
 
 def get_norm_type(name: str) -> NormType:
     """The registered type called ``name``; unknown names fail with the allowed list."""
-    check_choice("norm.type", name, _REGISTRY)
-    return _REGISTRY[name]
+    return _REGISTRY.lookup(name)
 
 
-class _RegisteredNames(Sequence):
-    """``NORM_TYPES``: the registered names in registration order, read live, so a type
-    registered after ``from stabilize.norms import NORM_TYPES`` is in it too."""
-
-    def __getitem__(self, i):
-        return tuple(_REGISTRY)[i]
-
-    def __len__(self) -> int:
-        return len(_REGISTRY)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(tuple(_REGISTRY))
-
-    def __contains__(self, name) -> bool:
-        return name in _REGISTRY
-
-    def __repr__(self) -> str:
-        return repr(tuple(_REGISTRY))
-
-
-NORM_TYPES: Sequence[str] = _RegisteredNames()
+# The registered names in registration order, read live.
+NORM_TYPES: Sequence[str] = _REGISTRY.names

@@ -178,7 +178,8 @@ def summarize(run: Run) -> ArmSummary:
         if line_at:
             before = [v for st, v in losses if st < line_at]
             s.loss_before = before[-1] if before else None
-    drift_start = fault.get("step") if fault.get("kind") in DRIFTS else None
+    drifts = fault.get("kind") in DRIFTS and fault.get("enabled", True)
+    drift_start = fault.get("step") if drifts else None
     trouble = drift_start or min(
         [x for x in (s.first_overflow, s.first_over_line) if x is not None], default=s.steps + 1
     )

@@ -84,7 +84,8 @@ def facts(run: Run, s: ArmSummary) -> Facts:
         tokens = (d.get("batch_size") or 0) * ((cfg.get("model") or {}).get("block_size") or 0)
         f.step_time = tokens / tps if tokens else 1 / tps
     fault = cfg.get("fault") or {}
-    start = fault.get("step") if fault.get("kind") in DRIFTS else None
+    drifts = fault.get("kind") in DRIFTS and fault.get("enabled", True)
+    start = fault.get("step") if drifts else None
     if start is not None:  # the drift's own magnitude: audits from the planned target on
         at = fault.get("target_step") or fault.get("cross_step") or start
         f.rel_err_drift = _median(a.get("rel_err_median") for a in run.audits if a["step"] >= at)

@@ -44,28 +44,25 @@ class RollbackConfig:
     classify: bool = True
     """Re-run a faulty step to classify the fault (transient, deterministic, data-linked;
     docs/stability.md) and pick the remedy by its class."""
-    skip_batches: int = 20
-    """skip_data: batches skipped past the restored position."""
-    lr_factor: float = 0.5
-    """lower_lr: the schedule's LR is multiplied by this."""
-    z_loss: float = 1e-4
-    """z_loss: the z-loss coefficient it switches on (PaLM used 1e-4)."""
+    remedy: dict[str, Any] = field(default_factory=dict)
+    """Each remedy's own settings, ``rollback.remedy.<name>.<knob>``: one section per
+    registered remedy with a config dataclass (``Remedy.config``), built into it; a section
+    left out takes that dataclass's defaults (``cfg.remedy.skip_data.batches``)."""
     max_rollbacks: int = 5
     """Rollbacks allowed in ``window`` steps; one more aborts."""
     window: int = 1000
     """The span, in steps, ``max_rollbacks`` counts over."""
 
     def __post_init__(self):
-        for k in ("snapshot_every", "keep", "skip_batches", "max_rollbacks", "window"):
+        for k in ("snapshot_every", "keep", "max_rollbacks", "window"):
             check_positive(f"rollback.{k}", getattr(self, k), integer=True)
         check_range("rollback.durable_every", self.durable_every, 0, float("inf"))
         if self.keep_durable != -1:
             check_positive("rollback.keep_durable", self.keep_durable, integer=True)
         check_range("rollback.margin", self.margin, 0, float("inf"))
-        check_range("rollback.lr_factor", self.lr_factor, 1e-6, 1.0)
-        check_range("rollback.z_loss", self.z_loss, 1e-12, float("inf"))
         for i, r in enumerate(self.ladder):
             check_choice(f"rollback.ladder[{i}]", r, REMEDIES)
+        self.remedy = REMEDIES.build_sections(self.remedy, "rollback.remedy")
 
 
 @dataclass

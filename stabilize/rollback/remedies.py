@@ -8,10 +8,12 @@ Built in (PaLM skipped 200-500 batches around a spike; OPT-175B restarted with a
 the fp32 reduction is this project's own, docs/stability.md):
 - ``retry``: restore and go on unchanged (a transient fault - a flipped bit, a bad host -
   does not recur; Megatron-LM re-runs a failing step to tell the two kinds apart);
-- ``skip_data``: move the data position ``rollback.skip_batches`` past the restored one;
-- ``lower_lr``: multiply the LR scale by ``rollback.lr_factor``;
+- ``skip_data``: move the data position ``rollback.remedy.skip_data.batches`` past the
+  restored one;
+- ``lower_lr``: multiply the LR scale by ``rollback.remedy.lower_lr.factor``;
 - ``fp32_reduction``: switch every norm's reduction to fp32;
-- ``z_loss``: switch PaLM's z-loss on (``rollback.z_loss`` x mean(log Z^2) added to the loss;
+- ``z_loss``: switch PaLM's z-loss on (``rollback.remedy.z_loss.weight`` x mean(log Z^2)
+  added to the loss;
   Wortsman et al. 2023 found it prevents output-logit divergence), mid-run.
 - ``skip_batch``: never train on the batches a data-linked fault was found in (their data
   positions join ``state.skipped``, kept in checkpoints and in the run dir's
@@ -21,22 +23,26 @@ Each remedy says which fault classes it fits (``classes``; docs/stability.md): `
 a transient fault, ``skip_data`` and ``skip_batch`` a data-linked one, the rest (the
 numerics) a deterministic one.
 
-A remedy from outside the package: subclass ``Remedy``, set ``name``, and
-``register_remedy(MyRemedy())`` before the run's config is built (the ladder is checked
-against the registry).
+Each remedy's settings are its own config dataclass (``Remedy.config``), read from
+``rollback.remedy.<name>`` (``RollbackConfig.remedy``, configs/rollback/default.yaml); a
+remedy without settings has none. ``apply`` and ``reapply`` receive that config.
+
+A remedy from outside the package: subclass ``Remedy``, set ``name`` (and ``config``, a
+dataclass of its settings), and ``register_remedy(MyRemedy())`` before the run's config is
+built (the ladder and ``rollback.remedy`` are checked against the registry).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 from torch import nn
 
 from stabilize.norms import set_reduction_dtype
-from stabilize.validate import check_choice
-
-if TYPE_CHECKING:
-    from stabilize.rollback.policy import RollbackConfig
+from stabilize.registry import Registry
+from stabilize.validate import check_positive, check_range
 
 
 class TrainState(Protocol):
@@ -50,21 +56,26 @@ class TrainState(Protocol):
 
 
 class Remedy:
-    """One rung of the ladder. Subclasses set ``name`` and override what they change."""
+    """One rung of the ladder. Subclasses set ``name`` (and ``config``) and override what
+    they change."""
 
     name: str = ""
     classes: tuple[str, ...] = ("deterministic",)
     """The fault classes this remedy fits (the policy picks among the ladder's fitting rungs)."""
+    config: ClassVar[type | None] = None
+    """The dataclass of its settings (``rollback.remedy.<name>``); None: it has none."""
 
-    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+    def apply(self, state: TrainState, cfg: Any) -> dict[str, Any]:
         """After the restore (model, optimizer and steps are the snapshot's): change the
-        state; return what was done, for the rollback event's ``extra`` and message."""
+        state as ``cfg`` (this remedy's config, None without one) says; return what was
+        done, for the rollback event's ``extra`` and message."""
         return {}
 
-    def reapply(self, state: TrainState) -> None:
-        """After a checkpoint load, for a run that had this remedy: re-impose what the
-        checkpoint does not hold. Nothing for an effect kept in saved state (the LR scale,
-        the data position)."""
+    def reapply(self, state: TrainState, cfg: Any, times: int) -> None:
+        """After a checkpoint load, for a run that had this remedy ``times`` times: re-impose
+        what the checkpoint does not hold (an effect that compounds per application is
+        restored by compounding it ``times`` times). Nothing for an effect kept in saved
+        state (the LR scale, the data position)."""
 
 
 class Retry(Remedy):
@@ -72,43 +83,81 @@ class Retry(Remedy):
     classes = ("transient",)
 
 
+@dataclass
+class SkipDataConfig:
+    """``rollback.remedy.skip_data``."""
+
+    batches: int = 20
+    """Batches (micro-batches) skipped past the restored position."""
+
+    def __post_init__(self):
+        check_positive("rollback.remedy.skip_data.batches", self.batches, integer=True)
+
+
 class SkipData(Remedy):
     name = "skip_data"
     classes = ("data",)
+    config = SkipDataConfig
 
-    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
-        state.data_step += cfg.skip_batches
-        return {"skip_batches": cfg.skip_batches}
+    def apply(self, state: TrainState, cfg: SkipDataConfig) -> dict[str, Any]:
+        state.data_step += cfg.batches
+        return {"skip_batches": cfg.batches}
+
+
+@dataclass
+class LowerLRConfig:
+    """``rollback.remedy.lower_lr``."""
+
+    factor: float = 0.5
+    """The schedule's LR is multiplied by this (again at each application)."""
+
+    def __post_init__(self):
+        check_range("rollback.remedy.lower_lr.factor", self.factor, 1e-6, 1.0)
 
 
 class LowerLR(Remedy):
-    name = "lower_lr"
+    """The LR scale is saved in checkpoints by the module: no reapply."""
 
-    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
-        state.lr_scale *= cfg.lr_factor
-        return {"lr_factor": cfg.lr_factor}
+    name = "lower_lr"
+    config = LowerLRConfig
+
+    def apply(self, state: TrainState, cfg: LowerLRConfig) -> dict[str, Any]:
+        state.lr_scale *= cfg.factor
+        return {"lr_factor": cfg.factor}
 
 
 class FP32Reduction(Remedy):
     name = "fp32_reduction"
 
-    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+    def apply(self, state: TrainState, cfg: None) -> dict[str, Any]:
         return {"norms_switched": set_reduction_dtype(state.model, "fp32")}
 
-    def reapply(self, state: TrainState) -> None:
+    def reapply(self, state: TrainState, cfg: None, times: int) -> None:
         set_reduction_dtype(state.model, "fp32")  # a module attribute, not in the state dict
+
+
+@dataclass
+class ZLossConfig:
+    """``rollback.remedy.z_loss``."""
+
+    weight: float = 1e-4
+    """The z-loss coefficient it switches on (PaLM used 1e-4)."""
+
+    def __post_init__(self):
+        check_range("rollback.remedy.z_loss.weight", self.weight, 1e-12, float("inf"))
 
 
 class ZLoss(Remedy):
     """Sets the model's z-loss coefficient (``GPT.z_loss``, read by the loss every step) to
-    ``rollback.z_loss``, or keeps a larger one already set. The coefficient is saved in
-    checkpoints by the module (``stabilize.z_loss``), like the LR scale: no reapply."""
+    ``rollback.remedy.z_loss.weight``, or keeps a larger one already set. The coefficient is
+    saved in checkpoints by the module (``stabilize.z_loss``), like the LR scale: no reapply."""
 
     name = "z_loss"
+    config = ZLossConfig
 
-    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+    def apply(self, state: TrainState, cfg: ZLossConfig) -> dict[str, Any]:
         before = float(state.model.z_loss)
-        state.model.z_loss = max(before, cfg.z_loss)
+        state.model.z_loss = max(before, cfg.weight)
         return {"z_loss": state.model.z_loss, "z_loss_before": before}
 
 
@@ -116,35 +165,36 @@ class SkipBatch(Remedy):
     name = "skip_batch"
     classes = ("data",)
 
-    def apply(self, state: TrainState, cfg: RollbackConfig) -> dict[str, Any]:
+    def apply(self, state: TrainState, cfg: None) -> dict[str, Any]:
         state.skipped |= set(state.fault_batches)  # in place: the sampler holds this set
         return {"skipped_batches": sorted(state.fault_batches)}
 
 
-REMEDIES: dict[str, Remedy] = {}
+REMEDIES: Registry[Remedy] = Registry("remedy")
+"""name -> the registered ``Remedy`` (its config: ``REMEDIES.config(name)``)."""
 
 
 def register_remedy(remedy: Remedy) -> None:
-    """Make ``remedy`` available to ladders under ``remedy.name``."""
-    if not remedy.name or remedy.name in REMEDIES:
-        raise ValueError(f"remedy {remedy.name!r} is already registered (or has no name)")
-    REMEDIES[remedy.name] = remedy
+    """Make ``remedy`` available to ladders under ``remedy.name``, its settings under
+    ``rollback.remedy.<name>`` (``remedy.config``)."""
+    REMEDIES.register(remedy.name, remedy, remedy.config)
 
 
 def unregister_remedy(name: str) -> None:
     """Remove a registered remedy (tests registering their own clean up with this)."""
-    del REMEDIES[name]
+    REMEDIES.unregister(name)
 
 
 def get_remedy(name: str, key: str = "remedy") -> Remedy:
-    check_choice(key, name, REMEDIES)
-    return REMEDIES[name]
+    return REMEDIES.lookup(name, key)
 
 
-def reapply_remedies(state: TrainState, names: list[str]) -> None:
-    """After a checkpoint load: each remedy the run has had, once, in first-use order."""
-    for name in dict.fromkeys(names):
-        get_remedy(name, "checkpoint remedies").reapply(state)
+def reapply_remedies(state: TrainState, names: list[str], cfgs: dict[str, Any]) -> None:
+    """After a checkpoint load: each remedy the run has had (``names``: one entry per
+    application), once, in first-use order, told how many times it was applied; ``cfgs``:
+    the run's ``rollback.remedy`` sections."""
+    for name, times in Counter(names).items():  # a Counter keeps first-seen order
+        get_remedy(name, "checkpoint remedies").reapply(state, cfgs.get(name), times)
 
 
 for _remedy in (Retry(), SkipData(), LowerLR(), FP32Reduction(), ZLoss()):

@@ -132,7 +132,7 @@ class RollbackController:
         pl_module.model_step, pl_module.data_step = st["model_step"], st["data_step"]
         cls = event.extra.get("class")
         pl_module.fault_batches = list(event.extra.get("batches", []))
-        did = get_remedy(remedy).apply(pl_module, self.cfg)
+        did = get_remedy(remedy).apply(pl_module, self.cfg.remedy.get(remedy))
         if cls == "transient":
             self.transients.update(event.extra.get("ranks", []))
             did = {**did, "transients_per_rank": dict(self.transients)}
