@@ -77,8 +77,9 @@ def kinds(evs, kind):
             "transient",
             "retry",
         ),
-        # deterministic: the drift overflows the replay and the next batch alike
-        (drift_fault(cross_step=9), "overflow", "deterministic", "lower_lr"),
+        # deterministic: the drift overflows the replay and the next batch alike; the
+        # overflow's own rung first
+        (drift_fault(cross_step=9), "overflow", "deterministic", "fp32_reduction"),
     ],
 )
 def test_each_fault_is_detected_classified_rolled_back_and_training_goes_on(
@@ -138,14 +139,17 @@ def test_persistent_fault_is_deterministic_exhausts_the_numerics_and_aborts(tmp_
     assert time.time() - t0 < 120
     d = e.value.diagnosis
     assert "ladder" in d["reason"] and d["monitor"] == "nonfinite" and d["step"] == 5
-    assert d["remedies"] == ["lower_lr", "fp32_reduction"]
+    # its norms already reduce in fp32: that rung would change nothing, so it is passed
+    # over and named, and the ladder is exhausted after lower_lr
+    assert d["remedies"] == ["lower_lr"]
+    assert "fp32_reduction skipped: every norm already reduces in fp32" in d["reason"]
     assert [h["remedy"] for h in d["rollbacks"]] == d["remedies"]
     assert {h["class"] for h in d["rollbacks"]} == {"deterministic"}
     saved = json.loads((tmp_path / "diagnosis.json").read_text())
     assert saved["reason"] == d["reason"]
     assert kinds(events(tmp_path), "abort")
     verdicts = [e for e in kinds(events(tmp_path), "rollback") if e["monitor"] == "nonfinite"]
-    assert len(verdicts) == 3
+    assert len(verdicts) == 2  # the first one's rollback (lower_lr), then the abort's
     for v in verdicts:
         (loc,) = v["extra"]["localization"]
         assert loc["grad_module"] == "h.1.mlp.c_fc" and loc["grad_incoming_finite"] is True

@@ -34,6 +34,7 @@ from stabilize.lit.saved_state import restore_state, saved_state
 from stabilize.model import GPT, set_activation_checkpointing
 from stabilize.model.logits import lm_loss
 from stabilize.norms import Norm
+from stabilize.rollback.remedies import lr_scale_at
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -97,6 +98,7 @@ class GPTLitModule(L.LightningModule):
         # Set by the stability callback; remedies persist in checkpoints.
         self.injector = None
         self.lr_scale = 1.0
+        self.lr_since: int | None = None  # model step of the last rollback with the LR lowered
         self.remedies: list[str] = []
         # data positions never trained on (a data-linked fault's batches, skip_batch): the
         # sampler steps over them, and the position counter with it
@@ -264,12 +266,22 @@ class GPTLitModule(L.LightningModule):
         the schedule is imposed (after a rollback the restored optimizer may hold an LR from
         before a lower_lr remedy)."""
         o = self.cfg.optim
-        base = o.lr * self.lr_scale
         sched = self.trainer.lr_scheduler_configs[0].scheduler
-        sched.base_lrs = [base] * len(sched.base_lrs)
+        sched.base_lrs = [o.lr] * len(sched.base_lrs)
         for g in self.trainer.optimizers[0].param_groups:
-            g["initial_lr"] = base
-            g["lr"] = base * lr_factor(self.model_step, o, self.cfg.trainer.max_steps)
+            g["initial_lr"] = o.lr
+            g["lr"] = o.lr * self.lr_multiplier()
+
+    def lr_scale_now(self) -> float:
+        """The remedies' LR scale at the model's step: lower_lr's factors until its healthy
+        window has passed, then warming back to 1 (``rollback.remedy.lower_lr``)."""
+        cfg = self.cfg.rollback.remedy.get("lower_lr")
+        return lr_scale_at(self.lr_scale, self.lr_since, self.model_step, cfg)
+
+    def lr_multiplier(self) -> float:
+        """What the schedule multiplies ``optim.lr`` by at the model's step."""
+        o = self.cfg.optim
+        return lr_factor(self.model_step, o, self.cfg.trainer.max_steps) * self.lr_scale_now()
 
     def on_validation_epoch_start(self):
         self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -374,13 +386,10 @@ class GPTLitModule(L.LightningModule):
             betas=(o.beta1, o.beta2),
             eps=o.eps,
         )
-        total = self.cfg.trainer.max_steps
         # The LR is a function of the *model's* step, not of how often the scheduler was
         # stepped: Lightning steps it once per loop iteration, including replays after a
         # rollback, and a restored scheduler counter would drift from model_step.
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda _: lr_factor(self.model_step, o, total)
-        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: self.lr_multiplier())
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---- checkpoints ----------------------------------------------------------------------

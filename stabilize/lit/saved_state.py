@@ -15,6 +15,7 @@ def saved_state(module) -> dict[str, Any]:
         "model_step": module.model_step,
         "data_step": module.data_step,
         "lr_scale": module.lr_scale,
+        "lr_since": module.lr_since,
         "remedies": list(module.remedies),
         "z_loss": float(module.model.z_loss),  # the z_loss remedy may have switched it on
         "skipped": sorted(module.skipped),
@@ -26,6 +27,7 @@ def restore_state(module, state: dict[str, Any]) -> None:
     module.model_step = state["model_step"]
     module.data_step = state["data_step"]
     module.lr_scale = state.get("lr_scale", 1.0)
+    module.lr_since = state.get("lr_since")
     module.remedies = list(state.get("remedies", []))
     module.model.z_loss = state.get("z_loss", module.cfg.model.z_loss)
     module.skipped |= set(state.get("skipped", []))

@@ -7,6 +7,7 @@ decide the same thing without talking to each other.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,12 +66,17 @@ class RollbackConfig:
         self.remedy = REMEDIES.build_sections(self.remedy, "rollback.remedy")
 
 
+def _never(rung: str) -> str | None:
+    return None
+
+
 @dataclass
 class Decision:
     action: str  # "rollback" | "abort"
     snapshot: Snapshot | None = None
     remedy: str | None = None
     reason: str = ""
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (rung, why it would not help)
 
 
 class RollbackPolicy:
@@ -79,24 +85,34 @@ class RollbackPolicy:
     A classified fault (``event.extra["class"]``) takes the ladder's rungs that fit its
     class (``Remedy.classes``): a transient or data-linked one the first of them every time
     (``retry``, ``skip_batch``: each occurrence is a new one), a deterministic one climbs
-    them. An unclassified fault, or a class no rung fits, climbs the whole ladder. Climbing:
-    the i-th rollback for the same monitor (and class) applies the i-th rung; one more than
-    there are rungs, or more than ``max_rollbacks`` rollbacks of any kind within ``window``
-    steps, aborts.
+    them. An unclassified fault, or a class no rung fits, climbs the whole ladder. The
+    diagnosed site orders the rungs: those whose ``Remedy.sites`` name the fault's monitor
+    go first (an overflowed reduction: fp32_reduction before lower_lr). Climbing: each
+    rollback for the same monitor (and class) takes the next rung, passing over a rung that
+    would change nothing on the current state (``Remedy.unchanged``, e.g. fp32_reduction
+    when every norm already reduces in fp32: named in ``Decision.skipped``); past the last
+    rung, or more than ``max_rollbacks`` rollbacks of any kind within ``window`` steps, it
+    aborts.
     """
 
     def __init__(self, cfg: RollbackConfig):
         self.cfg = cfg
         self.history: list[dict[str, Any]] = []  # every rollback so far
 
-    def decide(self, event: Event, ring: SnapshotRing) -> Decision:
+    def decide(
+        self, event: Event, ring: SnapshotRing, unchanged: Callable[[str], str | None] = _never
+    ) -> Decision:
+        """``unchanged(rung)``: why that rung would change nothing now (None: it would)."""
         recent = [h for h in self.history if h["fault_step"] > event.step - self.cfg.window]
         cls = event.extra.get("class")
         rungs = [r for r in self.cfg.ladder if cls in REMEDIES[r].classes] or self.cfg.ladder
+        fitting = rungs
+        # the diagnosed site first (a stable sort: the ladder's order within each group)
+        rungs = sorted(rungs, key=lambda r: event.monitor not in REMEDIES[r].sites)
         same = [
             h for h in recent if h["monitor"] == event.monitor and h.get("class") == cls
         ]  # the ladder resets
-        if cls in ("transient", "data") and rungs is not self.cfg.ladder:
+        if cls in ("transient", "data") and fitting is not self.cfg.ladder:
             same = []  # each occurrence is a new fault: the first fitting rung again
         if len(recent) >= self.cfg.max_rollbacks:
             return Decision(
@@ -104,11 +120,19 @@ class RollbackPolicy:
                 reason=f"{len(recent)} rollbacks within "
                 f"{self.cfg.window} steps (max {self.cfg.max_rollbacks})",
             )
-        if len(same) >= len(rungs):
+        # the rungs this fault has used or passed over, in order: the next one is after them
+        at = sum(1 + len(h.get("skipped", [])) for h in same)
+        skipped = []
+        while at < len(rungs) and (why := unchanged(rungs[at])) is not None:
+            skipped.append((rungs[at], why))
+            at += 1
+        if at >= len(rungs):
+            passed = "".join(f"; {r} skipped: {why}" for r, why in skipped)
             return Decision(
                 "abort",
                 reason=f"the remedy ladder {rungs} is exhausted "
-                f"for {event.monitor!r}: the fault persists",
+                f"for {event.monitor!r}: the fault persists{passed}",
+                skipped=skipped,
             )
         limit = event.step - self.cfg.margin
         # the replica check knows the last step every replica agreed on
@@ -119,7 +143,7 @@ class RollbackPolicy:
                 "abort",
                 reason=f"no snapshot at or before step {limit} (have {ring.steps()})",
             )
-        remedy = rungs[len(same)]
+        remedy = rungs[at]
         self.history.append(
             {
                 "monitor": event.monitor,
@@ -129,9 +153,10 @@ class RollbackPolicy:
                 "message": event.message,
                 "layer": event.layer,
                 "class": cls,
+                "skipped": [list(s) for s in skipped],
             }
         )
-        return Decision("rollback", snap, remedy)
+        return Decision("rollback", snap, remedy, skipped=skipped)
 
     def state_dict(self) -> dict:
         return {"history": copy.deepcopy(self.history)}

@@ -40,7 +40,7 @@ from typing import Any, ClassVar, Protocol
 
 from torch import nn
 
-from stabilize.norms import set_reduction_dtype
+from stabilize.norms import Norm, set_reduction_dtype
 from stabilize.registry import Registry
 from stabilize.validate import check_positive, check_range
 
@@ -64,6 +64,15 @@ class Remedy:
     """The fault classes this remedy fits (the policy picks among the ladder's fitting rungs)."""
     config: ClassVar[type | None] = None
     """The dataclass of its settings (``rollback.remedy.<name>``); None: it has none."""
+    sites: tuple[str, ...] = ()
+    """Monitors whose verdict this rung answers first: for such a fault the policy moves
+    it ahead of the ladder's other fitting rungs (fp32_reduction for an overflowed
+    reduction: a lower LR cannot stop a reduction from overflowing)."""
+
+    def unchanged(self, state: TrainState, cfg: Any) -> str | None:
+        """Why applying it now would change nothing (the policy then skips it and says so);
+        None: it would change something."""
+        return None
 
     def apply(self, state: TrainState, cfg: Any) -> dict[str, Any]:
         """After the restore (model, optimizer and steps are the snapshot's): change the
@@ -110,9 +119,29 @@ class LowerLRConfig:
 
     factor: float = 0.5
     """The schedule's LR is multiplied by this (again at each application)."""
+    recover_after: int = 50
+    """After this many model steps with no rollback, the LR warms back to its schedule
+    (0: the lowered LR stays for the rest of the run, as OPT-175B's restarts kept it)."""
+    warmup: int = 20
+    """... linearly, over this many steps."""
 
     def __post_init__(self):
         check_range("rollback.remedy.lower_lr.factor", self.factor, 1e-6, 1.0)
+        check_range("rollback.remedy.lower_lr.recover_after", self.recover_after, 0, 10**9)
+        check_positive("rollback.remedy.lower_lr.warmup", self.warmup, integer=True)
+
+
+def lr_scale_at(scale: float, since: int | None, step: int, cfg: LowerLRConfig | None) -> float:
+    """The LR scale in force at model ``step``: ``scale`` (the product of the lower_lr
+    factors) until ``cfg.recover_after`` healthy steps have passed since ``since`` (the
+    model step of the last rollback that left the LR lowered), then a linear ramp back to
+    1 over ``cfg.warmup`` steps."""
+    if scale >= 1.0 or since is None or cfg is None or cfg.recover_after == 0:
+        return scale
+    t = step - since - cfg.recover_after
+    if t <= 0:
+        return scale
+    return 1.0 if t >= cfg.warmup else scale + (1.0 - scale) * t / cfg.warmup
 
 
 class LowerLR(Remedy):
@@ -123,11 +152,16 @@ class LowerLR(Remedy):
 
     def apply(self, state: TrainState, cfg: LowerLRConfig) -> dict[str, Any]:
         state.lr_scale *= cfg.factor
-        return {"lr_factor": cfg.factor}
+        return {"lr_factor": cfg.factor, "lr_recover_after": cfg.recover_after}
 
 
 class FP32Reduction(Remedy):
     name = "fp32_reduction"
+    sites = ("overflow",)
+
+    def unchanged(self, state: TrainState, cfg: None) -> str | None:
+        dtypes = {m.reduction_dtype for m in state.model.modules() if isinstance(m, Norm)}
+        return "every norm already reduces in fp32" if dtypes <= {"fp32"} else None
 
     def apply(self, state: TrainState, cfg: None) -> dict[str, Any]:
         return {"norms_switched": set_reduction_dtype(state.model, "fp32")}

@@ -121,7 +121,11 @@ class RollbackController:
     def rollback(self, trainer, pl_module, event: Event, last: StepStats | None) -> None:
         """Restore, remedy and seek for ``event``; or abort. ``last``: the step's stats,
         for a diagnosis."""
-        decision = self.policy.decide(event, self.ring)
+
+        def unchanged(rung: str) -> str | None:
+            return get_remedy(rung).unchanged(pl_module, self.cfg.remedy.get(rung))
+
+        decision = self.policy.decide(event, self.ring, unchanged)
         if decision.action == "abort":
             self.abort(trainer, pl_module, event, decision.reason, last)
         snap, remedy = decision.snapshot, decision.remedy
@@ -133,6 +137,10 @@ class RollbackController:
         cls = event.extra.get("class")
         pl_module.fault_batches = list(event.extra.get("batches", []))
         did = get_remedy(remedy).apply(pl_module, self.cfg.remedy.get(remedy))
+        if decision.skipped:  # rungs that would have changed nothing: said, not applied
+            did = {**did, "skipped": {r: why for r, why in decision.skipped}}
+        if pl_module.lr_scale < 1.0:  # a lowered LR's healthy window starts again here
+            pl_module.lr_since = pl_module.model_step
         if cls == "transient":
             self.transients.update(event.extra.get("ranks", []))
             did = {**did, "transients_per_rank": dict(self.transients)}
