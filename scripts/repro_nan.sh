@@ -70,7 +70,8 @@ threads=$(( cores / jobs / nprocs > 0 ? cores / jobs / nprocs : 1 ))
 # the plan first: what runs, how many at once, about how long (measured: docs/scenario.md)
 waves=$(( (${#runs[@]} + jobs - 1) / jobs ))
 echo "plan: ${#runs[@]} runs (${runs[*]}), $jobs at a time x $nprocs rank(s), $threads thread(s) each;" \
-  "$experiment: about $(( waves * 55 )) s on an idle 2-core machine (~55 s a wave of fp16 arms)" >&2
+  "$experiment: about $(( waves * 55 )) s on an idle 2-core machine (~55 s a wave of fp16 arms)" \
+  | tee "$out/scenario.log" >&2  # the plan and the wall time stay with the run (scenario_doc.py)
 start=$SECONDS
 # the fused CPU kernel before the first arm, so no arm starts on the fallback while it builds
 # in the background (a no-op once built; if it cannot be built, every arm falls back alike)
@@ -106,4 +107,5 @@ for name in "${runs[@]}"; do
   fi
 done
 "${PYTHON:-python}" -m stabilize.report "${runs[@]/#/$out/}" --out "$out" --title "$experiment: $arms"
-echo "scenario done in $((SECONDS - start)) s (${#runs[@]} runs, $jobs at a time); report: $out/report.md" >&2
+echo "scenario done in $((SECONDS - start)) s (${#runs[@]} runs, $jobs at a time); report: $out/report.md" \
+  | tee -a "$out/scenario.log" >&2
