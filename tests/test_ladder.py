@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from stabilize.lit.summary import changed_config
 from stabilize.model import GPT, GPTConfig
 from stabilize.monitors.events import Event
 from stabilize.norms import set_reduction_dtype
@@ -81,28 +82,32 @@ def test_lr_scale_warms_back_after_the_healthy_window_by_hand():
 def test_a_lowered_lr_warms_back_in_a_real_run(tmp_path):
     """A persistent NaN at step 5 answered by lower_lr (the only rung): the LR is x0.5
     from the restored step until 6 healthy steps have passed, then ramps back over 3."""
-    out = run(
-        compose_run(
-            tmp_path,
-            [
-                *FAST,
-                "logger=none",
-                "trainer.max_steps=20",
-                "optim.warmup_steps=1",
-                "optim.schedule=linear",
-                "optim.min_lr_ratio=1.0",  # a flat schedule: the LR is the scale times lr
-                "fault=nan_loss",
-                "fault.step=5",
-                "rollback.snapshot_every=2",
-                "rollback.ladder=[lower_lr]",
-                "rollback.classify=false",
-                "rollback.remedy.lower_lr.recover_after=6",
-                "rollback.remedy.lower_lr.warmup=3",
-                "monitor.loss_spike.enabled=false",
-            ],
-        )
+    cfg = compose_run(
+        tmp_path,
+        [
+            *FAST,
+            "logger=none",
+            "trainer.max_steps=20",
+            "optim.warmup_steps=1",
+            "optim.schedule=linear",
+            "optim.min_lr_ratio=1.0",  # a flat schedule: the LR is the scale times lr
+            "fault=nan_loss",
+            "fault.step=5",
+            "rollback.snapshot_every=2",
+            "rollback.ladder=[lower_lr]",
+            "rollback.classify=false",
+            "rollback.remedy.lower_lr.recover_after=6",
+            "rollback.remedy.lower_lr.warmup=3",
+            "monitor.loss_spike.enabled=false",
+        ],
     )
-    assert out["model_step"] == 20 and out["ended_with"]["lr_scale"] == 0.5
+    out = run(cfg)
+    assert changed_config(cfg, out["ended_with"]) == [
+        f"optim.lr x0.5 after a rollback, warmed back to {cfg.optim.lr:g} (lower_lr)"
+    ]
+    # warmed back by the end: the summary says so instead of "optim.lr x0.5"
+    assert out["model_step"] == 20 and out["ended_with"]["lr_scale"] == 1.0
+    assert out["ended_with"]["lr_lowered"] == 0.5
     rows = read_csv_metrics(tmp_path)
     lr = {int(r["train/step"]): r["train/lr"] for r in rows if "train/lr" in r}
     base = lr[2]  # before the fault: the flat schedule

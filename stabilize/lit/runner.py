@@ -120,7 +120,8 @@ def ended_with(module: GPTLitModule) -> dict[str, Any]:
     accum = module.cfg.optim.accumulate_grad_batches
     return {
         "remedies": list(module.remedies),
-        "lr_scale": module.lr_scale,
+        "lr_scale": module.lr_scale_now(),  # in force at the end (after any warm-back)
+        "lr_lowered": module.lr_scale,  # lower_lr's factors, warmed back or not
         "reduction_dtypes": sorted(
             {m.reduction_dtype for m in module.model.modules() if isinstance(m, Norm)}
         ),

@@ -47,9 +47,12 @@ def changed_config(cfg, ended: dict[str, Any]) -> list[str]:
     """``key before -> after`` for what the remedies changed (``cfg``: the RunConfig)."""
     out = []
     scale = ended.get("lr_scale", 1.0)
+    lowered = ended.get("lr_lowered", scale)
+    lr = cfg.optim.lr
     if scale != 1.0:
-        lr = cfg.optim.lr
         out.append(f"optim.lr x{scale:g} ({lr:g} -> {lr * scale:g})")
+    elif lowered != 1.0:
+        out.append(f"optim.lr x{lowered:g} after a rollback, warmed back to {lr:g} (lower_lr)")
     dtypes = ended.get("reduction_dtypes") or []
     asked = cfg.model.norm.reduction_dtype
     if dtypes and dtypes != [asked]:
