@@ -117,11 +117,18 @@ def test_dead_and_nan_rows_are_told_apart_like_a_float64_reference(kind):
     probe.remove()
 
 
-# ---- a real fp16 run: the drift scenario, shortened as in test_scenario.py ----------------
+# ---- a real fp16 run: the outlier drift past fp16's max, in the scenario's recipe -----------
+# (one channel of block 0's update driven through 256 at CROSS and on to 1e5 > 65504, on
+# GPT-2's init: the NaN step has rows whose input is not finite in fp16)
 CROSS, START, STEPS = 25, 10, 45
 SHORT = [
     *FAST,  # every step logged
     "experiment=nan_repro",
+    "fault=activation_drift",
+    "fault.channels=1",
+    "fault.target=1e5",
+    "fault.target_step=null",
+    "model.init_std=0.02",
     "logger=none",
     f"trainer.max_steps={STEPS}",
     f"fault.step={START}",
