@@ -39,7 +39,7 @@ from stabilize.exits import (
     file_error,
     one_line,
 )
-from stabilize.lit.rundir import RunDirError, claim
+from stabilize.lit.rundir import RunDirError, claim, unlock_all
 from stabilize.paths import config_dir
 from stabilize.validate import ConfigError
 
@@ -219,6 +219,7 @@ def _discard_hydra_output() -> None:
         hc = HydraConfig.get()
     except ValueError:  # not running under Hydra
         return
+    unlock_all()  # this launch's run-dir lock, and its file where no run is in the dir
     out = Path(hc.runtime.output_dir)
     if (out / "config.json").exists():  # a run's own dir: only this launch's Hydra record
         if hc.output_subdir and "/relaunch-" in hc.output_subdir:

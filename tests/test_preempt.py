@@ -124,3 +124,32 @@ def test_launch_keeps_the_preempted_code(codes, want):
     from stabilize.launch import exit_code
 
     assert exit_code(codes) == want
+
+
+def test_a_second_launch_into_a_running_dir_is_refused_and_a_dead_holder_does_not_block(
+    tmp_path,
+):
+    """The run-dir lock: while one launch trains in a dir, a resume=auto (or a fresh
+    launch) into it is refused in one line naming the holder; once the holder is gone,
+    even by SIGKILL (no clean-up ran), the dir is free again."""
+    d = tmp_path / "run"
+    p = _start(["stabilize-train", *COMMON, "trainer.checkpoint_every_n_steps=2"], d, tmp_path)
+    env = {"STABILIZE_RUN_DIR": str(d)}
+    for line in p.stdout:
+        if line.lstrip().startswith("step ") and int(line.split()[1].split("/")[0]) >= 3:
+            break
+    for resume in ("auto", "none"):
+        r = run_cli(["stabilize-train", *COMMON, f"resume={resume}"], cwd=tmp_path, env=env)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert f"is in use by another launch (pid {p.pid} on " in r.stderr
+        assert "Traceback" not in r.stderr
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    stopped, _ = checkpoint_steps(d / "checkpoints" / "last.ckpt")
+    r = run_cli(
+        ["stabilize-train", *COMMON, "resume=auto", f"trainer.stop_at_step={stopped + 1}"],
+        cwd=tmp_path,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((d / "result.json").read_text())["model_step"] == stopped + 1

@@ -14,10 +14,15 @@ and torchrun tears the other ranks down; they have written nothing of the run.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import socket
 from datetime import datetime
 from pathlib import Path
+
+LOCK = ".lock"  # held (flock) by the launch training in the dir, for its whole life
+_held: dict[str, tuple[int, bool]] = {}  # run dir -> (locked descriptor, file created here)
 
 # What a run writes into its dir (train.py, lit/*, rollback snapshots, W&B offline files).
 # Hydra's own per-launch files (.hydra*/, *.log) are not a run's: every launch rewrites them.
@@ -57,20 +62,87 @@ def run_files(run_dir: str | os.PathLike) -> list[str]:
     return found
 
 
+def lock(run_dir: str | os.PathLike) -> bool:
+    """Hold ``run_dir/.lock`` (an OS file lock, ``flock``) for this process's life, or
+    refuse in one line naming the holder (host, pid, start time): two launches never train
+    in one dir. The OS drops the lock when its process dies, however it dies, so a stale
+    lock cannot block a resume (the holder's details in the file are then just old text).
+    Re-entrant within a process (a resume in the same process takes it again). Returns
+    whether this call created the lock file (a refused launch then removes it again)."""
+    d = Path(run_dir)
+    key = str(d.resolve())
+    if key in _held:
+        return False
+    d.mkdir(parents=True, exist_ok=True)
+    created = not (d / LOCK).exists()
+    fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 4096).decode(errors="replace").strip() or "{}"
+        os.close(fd)
+        with contextlib.suppress(ValueError):
+            h = json.loads(holder)
+            holder = f"pid {h.get('pid')} on {h.get('host')}, started {h.get('started')}"
+        raise RunDirError(
+            f"run dir {d} is in use by another launch ({holder}; lock {d / LOCK}); wait for "
+            "it to end, or use another dir (STABILIZE_RUN_DIR=... or run_dir=...)"
+        ) from None
+    _held[key] = (fd, created)
+    return created
+
+
+def stamp(run_dir: str | os.PathLike) -> None:
+    """Write the holder's details into the held lock file, once the launch is accepted and
+    about to train (a refused one leaves the file as it found it)."""
+    held = _held.get(str(Path(run_dir).resolve()))
+    if held is None:  # not rank 0: rank 0 holds the lock
+        return
+    fd, _ = held
+    me = {"host": socket.gethostname(), "pid": os.getpid(),
+          "started": datetime.now().isoformat(timespec="seconds")}  # fmt: skip
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+
+
+def unlock(run_dir: str | os.PathLike, refused: bool = False) -> None:
+    """Release this process's lock on ``run_dir`` (the run ended). ``refused``: the launch
+    was refused before it trained, so a lock file it created is removed again (the dir as
+    it found it)."""
+    held = _held.pop(str(Path(run_dir).resolve()), None)
+    if held is None:
+        return
+    fd, created = held
+    if refused and created:
+        with contextlib.suppress(OSError):
+            (Path(run_dir) / LOCK).unlink()
+    os.close(fd)  # closing the descriptor releases the flock
+
+
+def unlock_all() -> None:
+    """Release every lock this process holds, removing the lock files it created (a launch
+    that ended on a config error leaves nothing behind)."""
+    for key in list(_held):
+        unlock(key, refused=True)
+
+
 def claim(run_dir: str | os.PathLike, resume: str) -> str | None:
     """Take ``run_dir`` for this launch, before anything is written; rank 0 only acts.
 
+    First the dir's lock (``lock``: a second launch into a running dir is refused). Then
     ``resume=none`` in a dir holding a run: ``RunDirError`` (one line naming the dir and the
     ways on). ``resume=restart``: the earlier run's files are moved into
     ``replaced-<time>/`` inside the dir (nothing is deleted); returns a line saying so.
     """
-    if _rank() != 0 or resume not in ("none", "restart"):
+    if _rank() != 0:
         return None
-    found = run_files(run_dir)
+    lock(run_dir)
+    found = run_files(run_dir) if resume in ("none", "restart") else []
     if not found:
         return None
     d = Path(run_dir)
     if resume == "none":
+        unlock(run_dir, refused=True)  # the dir as it was
         raise RunDirError(
             f"run dir {d} already holds a run ({', '.join(found)}); to continue it: "
             f"resume=auto; to start a new run: another dir (STABILIZE_RUN_DIR=... or "

@@ -23,7 +23,7 @@ from stabilize.lit.module import GPTLitModule
 from stabilize.lit.preempt import Preempted
 from stabilize.lit.preflight import preflight
 from stabilize.lit.quiet import quiet
-from stabilize.lit.rundir import RunDirError, already_finished, claim
+from stabilize.lit.rundir import RunDirError, already_finished, claim, stamp, unlock
 from stabilize.lit.stability import StabilityAbort
 from stabilize.norms import Norm
 
@@ -40,7 +40,17 @@ def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
     # Everything about the run dir is settled before anything is written to it: a fresh
     # start refused or moved aside (lit/rundir.py), the checkpoint verified (or the newest
     # intact one chosen), a finished run left alone.
-    moved = claim(run_dir, cfg.resume)
+    moved = claim(run_dir, cfg.resume)  # and its lock, held until the run ends
+    try:
+        return _claimed_run(cfg, callbacks, run_dir, moved)
+    except RunDirError:  # refused before training (no intact checkpoint): as it found it
+        unlock(run_dir, refused=True)
+        raise
+    finally:
+        unlock(run_dir)
+
+
+def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) -> dict[str, Any]:
     if moved:
         print(moved, file=sys.stderr, flush=True)
     t = cfg.trainer
@@ -49,6 +59,8 @@ def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
         done = ckpt and already_finished(run_dir, ckpt, t.max_steps, t.stop_at_step)
     except ValueError as e:  # no intact checkpoint, not a checkpoint: one line, exit 2
         raise RunDirError(str(e)) from None
+    if not done:
+        stamp(run_dir)  # accepted: the lock file names this launch from here on
     if done:
         if _rank() == 0:
             print(done, flush=True)
