@@ -281,7 +281,8 @@ def test_a_run_never_waits_for_the_build_and_says_so_once(fresh, monkeypatch, ca
 
 
 def test_a_built_kernel_is_picked_up_without_a_build(kernel, monkeypatch):
-    """Built on disk (by this session, or ahead): ready() and absmax_into load it."""
+    """Built on disk (by the `kernel` fixture, or ahead with `python -m stabilize.cpu_kernels
+    build`): ready() and absmax_into load it."""
     monkeypatch.delenv("STABILIZE_KERNEL_WAIT", raising=False)
     monkeypatch.setattr(cpu_kernels, "_loaded", [])
     monkeypatch.setattr(cpu_kernels, "_next_poll", {True: 0.0, False: 0.0})

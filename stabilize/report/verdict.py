@@ -47,7 +47,6 @@ class Facts:
     step_time: float | None = None  # median seconds per optimizer step (host clock)
     rel_err_drift: float | None = None  # norm-output error vs float64 while drifted
     norm_dev: float | None = None  # worst norm's median |output norm / sqrt(D) - 1|
-    heldout_whole: bool | None = None
 
 
 def _finite(x) -> bool:
@@ -90,8 +89,6 @@ def facts(run: Run, s: ArmSummary) -> Facts:
         at = fault.get("target_step") or fault.get("cross_step") or start
         f.rel_err_drift = _median(a.get("rel_err_median") for a in run.audits if a["step"] >= at)
     f.norm_dev = _median(a.get("norm_dev_worst") for a in run.audits)
-    if run.final_eval:
-        f.heldout_whole = run.final_eval.get("whole")
     return f
 
 
