@@ -2,17 +2,21 @@
 # Launch stabilize-train under torchrun, single- or multi-node; every rank shares one run dir.
 #
 #   scripts/launch.sh [--nproc-per-node N] [--nnodes M] [--node-rank R]
-#                     [--rdzv-endpoint HOST:PORT] [--run-id ID] [--] [hydra overrides...]
+#                     [--rdzv-endpoint HOST:PORT] [--run-id ID] [--max-restarts K]
+#                     [--] [hydra overrides...]
 #
 # One node, 8 GPUs:   scripts/launch.sh --nproc-per-node 8 model=gpt-1.3b precision=fp16-mixed
 # Two nodes (run on each, same --run-id and endpoint):
 #   scripts/launch.sh --nnodes 2 --nproc-per-node 8 --rdzv-endpoint node0:29500 --run-id exp1 ...
 # On CPU the ranks talk over gloo: scripts/launch.sh --nproc-per-node 2 trainer.accelerator=cpu
+# --max-restarts K: torchrun restarts the whole group up to K times when a rank dies; the
+# restarted group resumes from the newest intact checkpoint by itself (no resume=auto).
 # Exit code: 0 done, 2 config error (nothing written), 3 stability abort, 4 preempted (a
-# checkpoint at the signal: requeue with resume=auto), 128+N killed by signal N, else crashed.
+# checkpoint at the signal: requeue with resume=auto), 5 hung (a rank named by the watchdog),
+# 128+N killed by signal N, else crashed.
 set -euo pipefail
 
-nprocs=1; nnodes=1; node_rank=""; endpoint=""; run_id="${STABILIZE_RUN_ID:-}"
+nprocs=1; nnodes=1; node_rank=""; endpoint=""; run_id="${STABILIZE_RUN_ID:-}"; restarts=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nproc-per-node) nprocs="$2"; shift 2 ;;
@@ -20,7 +24,8 @@ while [[ $# -gt 0 ]]; do
     --node-rank) node_rank="$2"; shift 2 ;;
     --rdzv-endpoint) endpoint="$2"; shift 2 ;;
     --run-id) run_id="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --max-restarts) restarts="$2"; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) break ;;
   esac
@@ -33,7 +38,7 @@ fi
 # The id all ranks (and nodes) use for the run dir: runs/<name>/<id> unless STABILIZE_RUN_DIR.
 export STABILIZE_RUN_ID="${run_id:-$(date +%Y-%m-%d_%H-%M-%S)-$$}"
 
-args=(--nproc-per-node "$nprocs" --nnodes "$nnodes")
+args=(--nproc-per-node "$nprocs" --nnodes "$nnodes" --max-restarts "$restarts")
 if [[ "$nnodes" -gt 1 ]]; then
   args+=(--rdzv-backend c10d --rdzv-endpoint "$endpoint" --rdzv-id "$STABILIZE_RUN_ID")
   [[ -n "$node_rank" ]] && args+=(--node-rank "$node_rank")

@@ -11,6 +11,8 @@ run that stopped on purpose from one that crashed (issue 12, items 7 and 8):
 - 3 ``aborted``: a stability abort; the rollback ladder was exhausted (diagnosis.json)
 - 4 ``preempted``: a preemption signal (``trainer.preempt_signals``, SIGTERM by default)
   stopped the run after a durable checkpoint at that step; requeue it with ``resume=auto``
+- 5 ``hung``: a rank made no progress for ``trainer.hang_timeout_s``; the watchdog named
+  it (result.json ``hung``, stacks in ``ranks/``) and ended the launch (lit/watchdog.py)
 - anything else: ``crashed`` (a traceback says where)
 """
 
@@ -25,12 +27,14 @@ EXIT_CRASH = 1
 EXIT_CONFIG = 2
 EXIT_ABORT = 3
 EXIT_PREEMPTED = 4
+EXIT_HUNG = 5
 
 MEANINGS = {
     EXIT_OK: "done",
     EXIT_CONFIG: "config error",
     EXIT_ABORT: "aborted",
     EXIT_PREEMPTED: "preempted",
+    EXIT_HUNG: "hung",
 }
 
 

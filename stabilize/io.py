@@ -138,12 +138,12 @@ def verify(path: str | os.PathLike) -> bool:
 def verified_load(path: str | os.PathLike, map_location: Any = "cpu", **kwargs: Any) -> Any:
     """``torch.load`` of a file that ``verify`` accepts; ``DamagedFile`` for one it does not,
     or one that does not unpickle. ``kwargs`` go to ``torch.load`` (default
-    ``weights_only=False``: checkpoints hold our own plain Python state too).
+    ``weights_only=True``: a file that needs more does not load, stabilize/trust.py).
 
     An unverified file (no checksum) loads; callers that want to say so call ``verify``
     first (it returns False for such a file)."""
     verify(path)
-    kwargs.setdefault("weights_only", False)
+    kwargs.setdefault("weights_only", True)
     try:
         return torch.load(path, map_location=map_location, **kwargs)
     except Exception as e:  # a pickle that a checksum cannot vouch for (an older file)

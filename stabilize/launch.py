@@ -19,16 +19,23 @@ import os
 import sys
 from pathlib import Path
 
-from stabilize.exits import EXIT_ABORT, EXIT_CONFIG, EXIT_CRASH, EXIT_PREEMPTED, meaning
+from stabilize.exits import (
+    EXIT_ABORT,
+    EXIT_CONFIG,
+    EXIT_CRASH,
+    EXIT_HUNG,
+    EXIT_PREEMPTED,
+    meaning,
+)
 
-KEPT = (EXIT_CONFIG, EXIT_ABORT, EXIT_PREEMPTED)  # codes a launch passes on as they are
+KEPT = (EXIT_CONFIG, EXIT_ABORT, EXIT_PREEMPTED, EXIT_HUNG)  # passed on as they are
 
 
 def exit_code(codes: list[int]) -> int:
     """The launch's exit code from its failed ranks' codes, the root cause first."""
     if codes and codes[0] in KEPT:
         return codes[0]
-    for known in (EXIT_ABORT, EXIT_CONFIG, EXIT_PREEMPTED):
+    for known in (EXIT_HUNG, EXIT_ABORT, EXIT_CONFIG, EXIT_PREEMPTED):
         if known in codes:
             return known
     return codes[0] if codes and codes[0] > 0 else EXIT_CRASH

@@ -31,6 +31,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from stabilize.elastic import fresh_store_for_restart, restart_count
 from stabilize.exits import (
     EXIT_ABORT,
     EXIT_CONFIG,
@@ -39,7 +40,7 @@ from stabilize.exits import (
     file_error,
     one_line,
 )
-from stabilize.lit.rundir import RunDirError, claim, unlock_all
+from stabilize.lit.rundir import RunDirError, claim, elastic_resume, unlock_all
 from stabilize.paths import config_dir
 from stabilize.validate import ConfigError
 
@@ -142,8 +143,9 @@ class RunDirGuard(Callback):
         # run_dir defaults to ${hydra:runtime.output_dir}, which Hydra fills in only later
         default = raw is None or "hydra:runtime" in str(raw)
         run_dir = config.hydra.run.dir if default else config.run_dir
+        resume, _ = elastic_resume(str(config.resume), run_dir)  # said by build_config
         try:
-            moved = claim(run_dir, str(config.resume))
+            moved = claim(run_dir, resume)
         except RunDirError as e:  # Hydra turns a callback's exception into a warning
             print(f"stabilize-train: {one_line(str(e))}", file=sys.stderr, flush=True)
             sys.exit(EXIT_CONFIG)
@@ -250,6 +252,8 @@ def main() -> None:
     # Hydra re-raises instead of printing its own report (and its stripped traceback of a
     # genuine bug: that one now gets Python's full traceback).
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    if restart_count():  # a group torchrun restarted: its own store (stabilize/elastic.py)
+        fresh_store_for_restart()
     try:
         _app()
     except (HydraException, OmegaConfBaseException) as e:

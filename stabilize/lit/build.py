@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
 
 from stabilize.lit.audit import NormAudit
 from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger
@@ -19,6 +21,7 @@ from stabilize.lit.fsdp import fsdp_strategy
 from stabilize.lit.preempt import build as preempt_callback
 from stabilize.lit.progress import PlainProgress, StepBar
 from stabilize.lit.stability import StabilityCallback
+from stabilize.lit.watchdog import build as watchdog_callback
 
 COMPUTE_DTYPE = {
     "fp32": torch.float32,
@@ -78,10 +81,13 @@ def device_args(cfg: TrainerConfig, env: LaunchEnv) -> dict:
         devices = 1 if cfg.devices == "auto" else cfg.devices
         num_nodes = cfg.num_nodes
     strategy = cfg.strategy
+    timeout = timedelta(seconds=cfg.pg_timeout_s)  # the collectives' backstop
     if strategy == "auto":
         strategy = "ddp" if devices * num_nodes > 1 else "auto"
+    if strategy == "ddp":
+        strategy = DDPStrategy(timeout=timeout)
     elif strategy == "fsdp":  # FSDP2, on CPU too (lit/fsdp.py)
-        strategy = fsdp_strategy(devices * num_nodes)
+        strategy = fsdp_strategy(devices * num_nodes, timeout)
     return {"devices": devices, "num_nodes": num_nodes, "strategy": strategy}
 
 
@@ -137,7 +143,9 @@ def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
     max_steps = t.max_steps if t.stop_at_step is None else min(t.max_steps, t.stop_at_step)
     periodic = PeriodicCheckpoint(run.run_dir, t.checkpoint_every_n_steps, t.keep_checkpoints)
     preempt = preempt_callback(t.preempt_signals, periodic)
+    watchdog = watchdog_callback(run.run_dir, t.hang_timeout_s)
     callbacks = [
+        *([watchdog] if watchdog else []),  # first: its marks bracket the other callbacks
         periodic,
         ThroughputLogger(COMPUTE_DTYPE[run.precision.name]),
         ReplicaCheck(run.run_dir),

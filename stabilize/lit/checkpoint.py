@@ -9,11 +9,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from stabilize.io import DamagedFile, atomic_torch_save, verify
+from stabilize.trust import UntrustedFile, check_dcp_index, torch_load
 
 LAST = "last.ckpt"
 
@@ -95,7 +95,7 @@ class PeriodicCheckpoint(Checkpoint):
             # last.ckpt first: a kill between the two writes leaves last.ckpt the newest
             # file, never older than a step-*.ckpt beside it (resume reads last.ckpt first)
             self._save_last(trainer, pl_module)
-            trainer.save_checkpoint(step_path(self.run_dir, step))
+            trainer.save_checkpoint(step_path(self.run_dir, step), weights_only=False)
             if self.keep > 0 and trainer.is_global_zero:
                 for old in sorted(self.dirpath.glob("step-*.ckpt"))[: -self.keep]:
                     remove_checkpoint(old)
@@ -105,7 +105,8 @@ class PeriodicCheckpoint(Checkpoint):
             self._save_last(trainer, pl_module)
 
     def _save_last(self, trainer, pl_module) -> None:
-        trainer.save_checkpoint(self.dirpath / LAST)
+        # weights_only=False: the whole state (optimizer, loops), not the weights alone
+        trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
         self._saved = (pl_module.model_step, trainer.global_step)
 
 
@@ -139,13 +140,17 @@ def newest_intact(ckpt_dir: Path, say: Callable[[str], None] = warn) -> Path | N
     )
 
 
-def resolve_resume(resume: str, run_dir: str | os.PathLike) -> str | None:
+def resolve_resume(resume: str, run_dir: str | os.PathLike, trusted: bool = False) -> str | None:
     """``none`` / ``restart`` -> None; ``auto`` -> the newest intact checkpoint of the run
-    dir (``newest_intact``), None if it has none; else a path, which must verify."""
+    dir (``newest_intact``), None if it has none; else a path, which must verify. The chosen
+    file must load without running code (``checkpoint_steps``) unless ``trusted``: a
+    checksum says a file is whole, not who wrote it (stabilize/trust.py)."""
     if resume in ("none", "restart"):
         return None
     if resume == "auto":
         path = newest_intact(checkpoint_dir(run_dir))
+        if path is not None:
+            checkpoint_steps(path, trusted)
         return None if path is None else str(path)
     if not Path(resume).exists():
         raise ValueError(
@@ -158,17 +163,22 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike) -> str | None:
         raise ValueError(f"resume={resume!r} is not allowed: {e}") from None
     if not checked:
         warn(f"{resume} has no checksum (written by an older version): resuming unverified")
+    checkpoint_steps(resume, trusted)
     return resume
 
 
-def checkpoint_steps(path: str | os.PathLike) -> tuple[int, int]:
+def checkpoint_steps(path: str | os.PathLike, trusted: bool = False) -> tuple[int, int]:
     """(model step, Lightning global step) stored in a checkpoint, without reading its
-    tensors (memory-mapped). ``ValueError`` naming the file when it is not one of ours."""
+    tensors (memory-mapped). ``ValueError`` naming the file when it is not one of ours;
+    ``UntrustedFile`` when it would need pickle's full power to load."""
     try:
-        if Path(path).is_dir():  # sharded (DCP): the non-tensor part is meta.pt
+        if Path(path).is_dir():  # sharded (DCP): its index, then the non-tensor part
+            check_dcp_index(path, trusted)
             path = Path(path) / "meta.pt"
-        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        ckpt = torch_load(path, trusted, map_location="cpu", mmap=True)
         return int(ckpt["stabilize"]["model_step"]), int(ckpt.get("global_step", 0))
+    except UntrustedFile as e:
+        raise ValueError(f"resume: {e}") from None
     except Exception as e:
         raise ValueError(
             f"resume: {path} is not a stabilize checkpoint ({type(e).__name__}: {e}); "

@@ -97,8 +97,15 @@ class TrainerConfig:
     final_eval_batches: int | None = None
     # signals that mean "preempted": finish the step, checkpoint, exit 4 (lit/preempt.py)
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    # a rank with no progress for this long is named and the launch ends with exit 5
+    # (lit/watchdog.py); None: max(60 s, 5 x the median step); 0: no watchdog
+    hang_timeout_s: float | None = None
+    pg_timeout_s: float = 1800.0  # torch.distributed's collective timeout: the backstop
 
     def __post_init__(self) -> None:
+        if self.hang_timeout_s is not None:
+            check_range("trainer.hang_timeout_s", self.hang_timeout_s, 0.0, float("inf"))
+        check_positive("trainer.pg_timeout_s", self.pg_timeout_s)
         for i, name in enumerate(self.preempt_signals):
             check_choice(f"trainer.preempt_signals[{i}]", name, PREEMPT_SIGNALS)
         if self.final_eval_batches is not None:
@@ -163,6 +170,7 @@ class RunConfig:
     arm: str | None = None  # a scenario's variant (configs/arm/), for reports and W&B
     run_dir: str = "runs/default"
     resume: str = "none"  # none | auto (newest intact checkpoint) | restart | a .ckpt path
+    resume_trusted: bool = False  # load the resume checkpoint with full pickle (stabilize/trust.py)
     seed: int = 1234
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -177,8 +185,10 @@ class RunConfig:
     verbose: bool = False  # also third-party notices (stabilize/lit/quiet.py), model summary
 
     def __post_init__(self) -> None:
-        if not isinstance(self.verbose, bool):
-            raise ConfigError(f"verbose={self.verbose!r} is not allowed; allowed: true, false")
+        for key in ("verbose", "resume_trusted"):
+            if not isinstance(getattr(self, key), bool):
+                value = getattr(self, key)
+                raise ConfigError(f"{key}={value!r} is not allowed; allowed: true, false")
         self.model = build_dataclass(GPTConfig, self.model, "model")
         for key, cls in (
             ("data", DataConfig),

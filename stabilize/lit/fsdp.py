@@ -13,6 +13,7 @@ writes its shard, and DCP reshards on load, so a run saved by 2 ranks resumes on
 from __future__ import annotations
 
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,12 @@ class FSDP2Strategy(ModelParallelStrategy):
     renames it over ``<name>`` (a crash mid-write leaves the previous checkpoint intact;
     ``lit/checkpoint.verify_checkpoint`` knows a whole one by its metadata files)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, timeout: timedelta = timedelta(seconds=1800)):
         super().__init__(
-            data_parallel_size=world_size, tensor_parallel_size=1, save_distributed_checkpoint=True
+            data_parallel_size=world_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=True,
+            timeout=timeout,
         )
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
@@ -52,8 +56,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.barrier()
 
 
-def fsdp_strategy(world_size: int) -> ModelParallelStrategy:
-    return FSDP2Strategy(world_size)
+def fsdp_strategy(world_size: int, timeout: timedelta) -> ModelParallelStrategy:
+    return FSDP2Strategy(world_size, timeout)
 
 
 def is_fsdp(strategy: Any) -> bool:

@@ -21,6 +21,7 @@ error: it is re-raised as ``ConfigError`` (the CLI prints it on one line, exit c
 from __future__ import annotations
 
 import os
+import sys
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ import torch
 from stabilize.data import build_dataloaders
 from stabilize.lit.config import RunConfig
 from stabilize.model import GPT
+from stabilize.trust import UntrustedFile, check_dcp_index, torch_load
 from stabilize.validate import ConfigError
 
 RESUME_ALLOWED = (
@@ -51,7 +53,14 @@ def config_errors() -> Iterator[None]:
 
 
 def build_config(values: dict[str, Any]) -> RunConfig:
-    """The resolved Hydra values -> a ``RunConfig``; any refusal is a ``ConfigError``."""
+    """The resolved Hydra values -> a ``RunConfig``; any refusal is a ``ConfigError``. In
+    a group torchrun restarted, ``resume`` is what the restart needs (``elastic_resume``)."""
+    from stabilize.lit.rundir import elastic_resume
+
+    if "run_dir" in values and "resume" in values:
+        values["resume"], line = elastic_resume(str(values["resume"]), values["run_dir"])
+        if line and int(os.environ.get("RANK", "0")) == 0:
+            print(line, file=sys.stderr, flush=True)
     with config_errors():
         return RunConfig.from_dict(values)
 
@@ -75,7 +84,7 @@ def preflight(cfg: RunConfig) -> None:
         model = GPT(cfg.model)
     check_fault_param(cfg, [name for name, _ in model.named_parameters()])
     check_data(cfg, world)
-    check_resume(cfg.resume, cfg.trainer.strategy)
+    check_resume(cfg.resume, cfg.trainer.strategy, cfg.resume_trusted)
 
 
 def check_fault_rank(cfg: RunConfig, world: int) -> None:
@@ -136,7 +145,7 @@ def _quiet_datasets() -> Iterator[None]:
             ds_logging.enable_progress_bar()
 
 
-def check_resume(resume: str, strategy: str = "auto") -> None:
+def check_resume(resume: str, strategy: str = "auto", trusted: bool = False) -> None:
     """``resume=PATH`` names a file that is a checkpoint: a torch zip archive holding a
     Lightning checkpoint (loaded memory-mapped: the tensors are not read); or, under
     ``trainer.strategy=fsdp``, a sharded checkpoint directory (DCP, lit/fsdp.py)."""
@@ -145,6 +154,11 @@ def check_resume(resume: str, strategy: str = "auto") -> None:
     path = Path(resume)
     if path.is_dir() and (path / "meta.pt").is_file():  # sharded (FSDP): a DCP directory
         if strategy == "fsdp":
+            try:
+                check_dcp_index(path, trusted)
+                torch_load(path / "meta.pt", trusted, map_location="cpu")
+            except UntrustedFile as e:
+                raise ConfigError(f"resume={resume!r} is not allowed: {e}") from None
             return
         raise ConfigError(
             f"resume={resume!r} is not allowed with trainer.strategy={strategy!r}: it is a "
@@ -160,7 +174,9 @@ def check_resume(resume: str, strategy: str = "auto") -> None:
         reason = "not a torch.save archive"
     else:
         try:
-            ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            ckpt = torch_load(path, trusted, map_location="cpu", mmap=True)
+        except UntrustedFile as e:
+            raise ConfigError(f"resume={resume!r} is not allowed: {e.reason}") from None
         except Exception as e:  # any unreadable archive: say why, briefly
             reason = f"unreadable: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         else:

@@ -26,8 +26,6 @@ NOISE_LOGS: dict[str, tuple[str, ...]] = {
     "lightning.fabric.utilities.rank_zero": (r"-+\ndistributed_backend=",),  # DDP banner
     "lightning.fabric.utilities.distributed": (r"Initializing distributed: ",),
     "lightning.pytorch.accelerators.cuda": (r"LOCAL_RANK: \d+ - CUDA_VISIBLE_DEVICES",),
-    # Lightning loads our own checkpoints (resume): they are ours, weights_only=False is right
-    "lightning.pytorch.trainer.connectors.checkpoint_connector": (r"`weights_only` was not set",),
 }
 
 # warnings (regex on the message, matched at the start) that are false or not actionable here

@@ -126,6 +126,33 @@ def unlock_all() -> None:
         unlock(key, refused=True)
 
 
+def has_checkpoint(run_dir: str | os.PathLike) -> bool:
+    return any((Path(run_dir) / "checkpoints").glob("*.ckpt"))
+
+
+def elastic_resume(resume: str, run_dir: str | os.PathLike) -> tuple[str, str | None]:
+    """What a group restarted by torchrun (``--max-restarts``, TORCHELASTIC_RESTART_COUNT
+    > 0) resumes with, whatever the command line said: the newest intact checkpoint
+    (``auto``) when the run dir has one, else the first attempt's start again (``restart``,
+    which moves its files aside; a ``resume=PATH`` starts from that file again). Returns
+    the resume value and a line saying so (None outside a restart). Every rank decides the
+    same: nothing is written between the ranks' starts."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts == 0:
+        return resume, None
+    if has_checkpoint(run_dir):
+        chosen, why = "auto", "from the newest intact checkpoint"
+    elif resume in ("none", "auto", "restart"):
+        chosen, why = "restart", "no checkpoint yet: from step 0, the attempt's files moved aside"
+    else:
+        chosen, why = resume, "no checkpoint yet: from the file it started from"
+    return chosen, f"elastic restart {restarts} (torchrun --max-restarts): resume={chosen}, {why}"
+
+
+# What shows a run trained (so its checkpoints were written, or should have been)
+TRAINED = ("result.json", "events.jsonl", "csv", "checkpoints", "snapshots")
+
+
 def claim(run_dir: str | os.PathLike, resume: str) -> str | None:
     """Take ``run_dir`` for this launch, before anything is written; rank 0 only acts.
 
@@ -137,10 +164,19 @@ def claim(run_dir: str | os.PathLike, resume: str) -> str | None:
     if _rank() != 0:
         return None
     lock(run_dir)
+    d = Path(run_dir)
+    if resume == "auto" and not has_checkpoint(d):
+        trained = [n for n in TRAINED if (d / n).exists()]
+        if trained:  # its checkpoints were deleted, or it died before its first one
+            unlock(run_dir, refused=True)
+            raise RunDirError(
+                f"resume=auto: run dir {d} holds a run ({', '.join(trained)}) but no "
+                f"checkpoint in {d / 'checkpoints'}; nothing to resume from: to start over "
+                f"(its files moved aside): resume=restart; or resume=PATH to a checkpoint"
+            )
     found = run_files(run_dir) if resume in ("none", "restart") else []
     if not found:
         return None
-    d = Path(run_dir)
     if resume == "none":
         unlock(run_dir, refused=True)  # the dir as it was
         raise RunDirError(
@@ -157,7 +193,11 @@ def claim(run_dir: str | os.PathLike, resume: str) -> str | None:
 
 
 def already_finished(
-    run_dir: str | os.PathLike, ckpt: str | os.PathLike, max_steps: int, stop_at: int | None
+    run_dir: str | os.PathLike,
+    ckpt: str | os.PathLike,
+    max_steps: int,
+    stop_at: int | None,
+    trusted: bool = False,
 ) -> str | None:
     """A line saying the run is finished when the checkpoint's model step has reached the
     step this launch would stop at (``trainer.max_steps``, or ``trainer.stop_at_step``);
@@ -165,7 +205,7 @@ def already_finished(
     asked (the stop is checked after a step) and overwrite ``last.ckpt``."""
     from stabilize.lit.checkpoint import checkpoint_steps  # torch + Lightning: only here
 
-    model_step, _ = checkpoint_steps(ckpt)
+    model_step, _ = checkpoint_steps(ckpt, trusted)
     target, key = max_steps, "trainer.max_steps"
     if stop_at is not None and stop_at < max_steps:
         target, key = stop_at, "trainer.stop_at_step"

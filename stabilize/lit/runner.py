@@ -25,6 +25,7 @@ from stabilize.lit.preflight import preflight
 from stabilize.lit.quiet import quiet
 from stabilize.lit.rundir import RunDirError, already_finished, claim, stamp, unlock
 from stabilize.lit.stability import StabilityAbort
+from stabilize.lit.watchdog import Watchdog
 from stabilize.norms import Norm
 
 
@@ -55,8 +56,10 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
         print(moved, file=sys.stderr, flush=True)
     t = cfg.trainer
     try:
-        ckpt = resolve_resume(cfg.resume, run_dir)
-        done = ckpt and already_finished(run_dir, ckpt, t.max_steps, t.stop_at_step)
+        ckpt = resolve_resume(cfg.resume, run_dir, cfg.resume_trusted)
+        done = ckpt and already_finished(
+            run_dir, ckpt, t.max_steps, t.stop_at_step, cfg.resume_trusted
+        )
     except ValueError as e:  # no intact checkpoint, not a checkpoint: one line, exit 2
         raise RunDirError(str(e)) from None
     if not done:
@@ -64,7 +67,7 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
     if done:
         if _rank() == 0:
             print(done, flush=True)
-        step, global_step = checkpoint_steps(ckpt)
+        step, global_step = checkpoint_steps(ckpt, cfg.resume_trusted)
         return {
             "metrics": {},
             "run_dir": str(run_dir),
@@ -87,7 +90,7 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
             if trainer.is_global_zero and trainer.loggers:
                 for lg in trainer.loggers:
                     lg.log_hyperparams(cfg.to_dict())
-            trainer.fit(module, ckpt_path=ckpt)
+            trainer.fit(module, ckpt_path=ckpt, weights_only=not cfg.resume_trusted)
         except BaseException as e:  # the report tells a finished run from one that stopped
             status = "aborted" if isinstance(e, StabilityAbort) else "failed"
             if isinstance(e, Preempted):
@@ -109,6 +112,7 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
         "global_step": trainer.global_step,
         "resumed_from": ckpt,
         "ended_with": ended_with(module),
+        "ranks": rank_shares(trainer),
         "wandb_offline_dir": wandb_dir,
     }
 
@@ -141,6 +145,12 @@ def ended_with(module: GPTLitModule) -> dict[str, Any]:
     }
 
 
+def rank_shares(trainer) -> list[dict[str, Any]] | None:
+    """Per rank: own time per step and its share of the median rank's (lit/watchdog.py)."""
+    dogs = [c for c in trainer.callbacks if isinstance(c, Watchdog)]
+    return dogs[0].shares if dogs else None
+
+
 def _write_result(run_dir: Path, status: str, module, trainer, error: str | None = None) -> None:
     """run_dir/result.json: how the run ended (done | aborted | failed), at which steps, and
     the state its remedies left (``ended_with``)."""
@@ -152,6 +162,7 @@ def _write_result(run_dir: Path, status: str, module, trainer, error: str | None
         "global_step": trainer.global_step,
         "error": error,
         "ended_with": ended_with(module),
+        "ranks": rank_shares(trainer),
     }
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
 

@@ -80,11 +80,25 @@ def final_summary(cfg, result: dict[str, Any], events: list[dict[str, Any]]) -> 
         lines.append("ended with: " + "; ".join(changed) + " (the remedies')")
     elif rbs:
         lines.append("ended with: the config asked for (no remedy changed it)")
+    if len(result.get("ranks") or []) > 1:
+        lines.append(ranks_line(result["ranks"]))
     if result.get("wandb_offline_dir"):
         d = result["wandb_offline_dir"]
         lines.append(f"W&B offline run: {d} (to upload: wandb sync {d})")
     lines.append(f"run dir: {result['run_dir']}")
     return lines
+
+
+STRAGGLER_SHARE = 1.2  # a rank this much slower than the median rank is named
+
+
+def ranks_line(ranks: list[dict[str, Any]]) -> str:
+    """Each rank's own time per step (its batch wait and forward: no collective runs there
+    under DDP) and its share of the median rank's (lit/watchdog.py); stragglers named."""
+    cells = [f"rank {r['rank']} {r['own_ms_per_step']:.1f} ms ({r['share']:.2f}x)" for r in ranks]
+    slow = [r["rank"] for r in ranks if r["share"] >= STRAGGLER_SHARE]
+    tail = f"; straggler: rank {', '.join(map(str, slow))}" if slow else ""
+    return "own time per step (batch wait + forward): " + ", ".join(cells) + tail
 
 
 def abort_summary(diagnosis: dict[str, Any], events: list[dict[str, Any]], run_dir) -> list[str]:

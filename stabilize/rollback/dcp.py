@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from stabilize.io import atomic_torch_save, verified_load
 from stabilize.rollback.snapshots import Snapshot
+from stabilize.trust import check_dcp_index
 
 REST = "rest.pt"
 
@@ -83,6 +84,7 @@ def load_sharded(path: str | Path, model: torch.nn.Module, optimizer) -> Snapsho
     size: DCP reshards); the snapshot's small parts, as a ``Snapshot`` without the model
     and optimizer entries."""
     path = Path(path)
+    check_dcp_index(path)  # before DCP unpickles it with no allow-list
     d = verified_load(path / REST)
     state = {"model": get_model_state_dict(model)}
     if d["optimizer"]:  # a snapshot before the first step has no optimizer state

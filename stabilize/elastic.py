@@ -1,0 +1,49 @@
+"""A group that torchrun restarts (``--max-restarts``) meets on a store of its own.
+
+Measured with torch 2.13 on CPU (gloo), ``torchrun --standalone --max-restarts 1``, one
+rank SIGKILLed: the restarted workers are handed the agent's store again
+(``TORCHELASTIC_USE_AGENT_STORE=True``, the same ``MASTER_PORT``), and their process group
+never forms: both wait in gloo's ``connectFullMesh`` until the group's timeout (30 min by
+default). The same script passes when the restarted group uses a fresh store. So on a
+restart (``TORCHELASTIC_RESTART_COUNT`` > 0), before anything starts a process group, rank
+0 picks a free port on its host and publishes it in the agent's store under this
+attempt's key; every rank then points ``MASTER_ADDR``/``MASTER_PORT`` at it and rank 0
+hosts the store there (``TORCHELASTIC_USE_AGENT_STORE=False``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+STORE_TIMEOUT = timedelta(seconds=600)  # the other ranks of a restart start within this
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def fresh_store_for_restart() -> tuple[str, int] | None:
+    """On a restart under the agent's store: the (host, port) every rank now meets on (the
+    environment is set); None otherwise (nothing done)."""
+    attempt = restart_count()
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed import TCPStore
+
+    agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                     is_master=False, timeout=STORE_TIMEOUT)  # fmt: skip
+    key = f"stabilize/attempt-{attempt}/store"
+    if int(os.environ.get("RANK", "0")) == 0:
+        with socket.socket() as s:  # a port free now; rank 0's group store binds it next
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        host = socket.gethostname()
+        agent.set(key, f"{host}:{port}")
+    else:
+        host, port_text = agent.get(key).decode().rsplit(":", 1)
+        port = int(port_text)
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="False")  # fmt: skip
+    return host, port

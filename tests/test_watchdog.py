@@ -1,0 +1,72 @@
+"""A hung rank, for real: SIGSTOP one of 2 torchrun ranks (gloo, CPU). The other names it
+(pid, host, last step) within the timeout, dumps its own stacks, writes result.json
+``hung``, and the launch exits 5, instead of waiting out the 30-minute collective timeout
+in silence (issue 22, item 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from test_preempt import COMMON, _start
+
+from stabilize.exits import EXIT_HUNG
+from stabilize.lit.watchdog import beat_path
+
+from conftest import ROOT
+
+TIMEOUT = 4  # trainer.hang_timeout_s: seconds without progress
+
+
+def _beat_at(run_dir, rank: int, step: int, deadline: float) -> dict:
+    """The rank's heartbeat once it reports global step >= ``step``."""
+    while time.time() < deadline:
+        try:
+            beat = json.loads(beat_path(run_dir, rank).read_text())
+            if beat["mark"][3] >= step:
+                return beat
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"rank {rank} reported no step {step}")
+
+
+def test_a_stopped_rank_is_named_within_the_timeout_and_the_launch_exits_5(tmp_path):
+    d = tmp_path / "hang"
+    args = [*COMMON, f"trainer.hang_timeout_s={TIMEOUT}"]
+    p = _start(["bash", str(ROOT / "scripts" / "launch.sh"), "--nproc-per-node", "2", *args],
+               d, tmp_path)  # fmt: skip
+    lines, stopped_at, victim, last = [], None, None, None
+    deadline = time.time() + 300
+    for line in p.stdout:
+        lines.append(line)
+        if stopped_at is None and line.lstrip().startswith("step "):
+            beat = _beat_at(d, 1, 3, deadline)
+            victim, last = beat["pid"], beat["mark"][3]
+            os.kill(victim, signal.SIGSTOP)  # frozen: it can neither step nor answer
+            stopped_at = time.time()
+        if time.time() > deadline:
+            p.kill()
+            break
+    p.wait(timeout=120)
+    took = time.time() - stopped_at
+    text = "".join(lines)
+    assert p.returncode == EXIT_HUNG, text[-3000:]
+    assert f"watchdog: rank 1 (pid {victim} on " in text, text[-3000:]
+    assert "its process not running (stopped or frozen)" in text
+    assert "launch: hung (exit 5" in text and "Traceback" not in text
+    # named well before torchrun's own 30 s SIGTERM-to-SIGKILL wait, let alone pg timeout
+    assert took < TIMEOUT + 20, took
+    result = json.loads((d / "result.json").read_text())
+    assert result["status"] == "hung" and [h["rank"] for h in result["hung"]] == [1]
+    assert result["hung"][0]["pid"] == victim and result["hung"][0]["last_step"] >= last
+    stacks = (d / "ranks" / "rank-0.stacks.txt").read_text()
+    assert "Thread" in stacks and "File " in stacks  # rank 0's own threads, where they wait
+    try:  # the frozen rank is gone (SIGKILLed by rank 0: it could not act on a signal)
+        os.kill(victim, 0)
+        gone = False
+    except ProcessLookupError:
+        gone = True
+    assert gone
