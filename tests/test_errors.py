@@ -156,6 +156,8 @@ def test_a_dir_holding_a_run_keeps_its_files_on_a_config_error(tmp_path, monkeyp
     (run / "csv" / "version_0").mkdir(parents=True)
     (run / "config.json").write_text("{}")
     (run / "csv" / "version_0" / "metrics.csv").write_text("step\n1\n")
+    (run / "checkpoints").mkdir()  # resume=auto needs one to go on from (lit/rundir.py)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"checked after the settings")
     (run / ".hydra").mkdir()  # the run's first launch's record: what the report names it by
     (run / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.001\n")
     before = tree(run)

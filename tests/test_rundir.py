@@ -269,3 +269,36 @@ def test_checkpoint_names_are_model_steps_after_rollbacks(tmp_path):
         model, global_ = checkpoint_steps(tmp_path / "checkpoints" / name)
         assert model == int(name[5:11]), (name, model, global_)
     assert checkpoint_steps(tmp_path / "checkpoints" / "step-000010.ckpt")[1] > 10
+
+
+# ---- what a user or a kill left behind ------------------------------------------------------
+def test_resume_auto_with_every_checkpoint_deleted_is_refused_not_started_over(stopped, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(stopped, d)
+    for p in (d / "checkpoints").iterdir():
+        p.unlink()
+    before = tree(d)
+    with pytest.raises(RunDirError, match="holds a run .* but no checkpoint") as e:
+        run(compose_run(d, [*COMMON, "resume=auto"]))
+    assert "resume=restart" in str(e.value) and str(d / "checkpoints") in str(e.value)
+    assert tree(d) == before  # nothing written, the lock file included
+
+
+def test_temporaries_of_a_killed_writer_are_swept_on_resume(stopped, tmp_path, capfd):
+    d = tmp_path / "run"
+    shutil.copytree(stopped, d)
+    left = [
+        d / "checkpoints" / ".step-000008.ckpt.tmp-4194304",  # stabilize.io's temp file
+        d / "snapshots" / ".snapshot-000008.pt.tmp-1",
+    ]
+    for p in left:
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(b"half a checkpoint")
+    (d / "checkpoints" / "step-000008.ckpt.tmp").mkdir()  # a sharded save's temp dir
+    out = run(compose_run(d, [*COMMON, "resume=auto", "trainer.stop_at_step=8"]))
+    assert out["model_step"] == 8
+    assert not any(p.exists() for p in left)
+    assert not (d / "checkpoints" / "step-000008.ckpt.tmp").exists()
+    err = capfd.readouterr().err
+    assert "removed 3 temporaries a killed writer left" in err
+    assert "checkpoints/.step-000008.ckpt.tmp-4194304" in err

@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 from datetime import datetime
 from pathlib import Path
@@ -39,6 +40,7 @@ RUN_FILES = (
     "snapshots",
     "csv",
     "wandb",
+    "ranks",  # the watchdog's heartbeats and stack dumps (lit/watchdog.py)
 )
 RESUME_CHOICES = "'none', 'auto', 'restart' or a path to a .ckpt file"
 
@@ -124,6 +126,28 @@ def unlock_all() -> None:
     that ended on a config error leaves nothing behind)."""
     for key in list(_held):
         unlock(key, refused=True)
+
+
+def sweep_temporaries(run_dir: str | os.PathLike) -> str | None:
+    """Remove what writers killed mid-write left in ``checkpoints/`` and ``snapshots/``
+    (``.NAME.tmp-PID`` files of ``stabilize.io``, ``NAME.tmp`` / ``NAME.old`` directories
+    of a sharded save); a line naming them, or None. Only rank 0 calls this, holding the
+    run dir's lock, once the launch is accepted: no other launch can be writing them."""
+    if _rank() != 0:
+        return None
+    gone = []
+    for sub in ("checkpoints", "snapshots"):
+        d = Path(run_dir) / sub
+        if not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            n = p.name
+            if (n.startswith(".") and ".tmp-" in n) or n.endswith((".tmp", ".old")):
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+                gone.append(f"{sub}/{n}")
+    if not gone:
+        return None
+    return f"removed {len(gone)} temporaries a killed writer left: {', '.join(gone)}"
 
 
 def has_checkpoint(run_dir: str | os.PathLike) -> bool:

@@ -23,7 +23,14 @@ from stabilize.lit.module import GPTLitModule
 from stabilize.lit.preempt import Preempted
 from stabilize.lit.preflight import preflight
 from stabilize.lit.quiet import quiet
-from stabilize.lit.rundir import RunDirError, already_finished, claim, stamp, unlock
+from stabilize.lit.rundir import (
+    RunDirError,
+    already_finished,
+    claim,
+    stamp,
+    sweep_temporaries,
+    unlock,
+)
 from stabilize.lit.stability import StabilityAbort
 from stabilize.lit.watchdog import Watchdog
 from stabilize.norms import Norm
@@ -64,6 +71,9 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
         raise RunDirError(str(e)) from None
     if not done:
         stamp(run_dir)  # accepted: the lock file names this launch from here on
+        swept = sweep_temporaries(run_dir)
+        if swept:
+            print(swept, file=sys.stderr, flush=True)
     if done:
         if _rank() == 0:
             print(done, flush=True)
