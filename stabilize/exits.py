@@ -11,7 +11,8 @@ run that stopped on purpose from one that crashed (issue 12, items 7 and 8):
 - 3 ``aborted``: a stability abort; the rollback ladder was exhausted (diagnosis.json)
 - 4 ``preempted``: a preemption signal (``trainer.preempt_signals``, SIGTERM by default)
   stopped the run after a durable checkpoint at that step; requeue it with ``resume=auto``
-- anything else: ``crashed`` (a traceback says where)
+- anything else: ``crashed`` (a traceback says where; an OS error, such as a full disk at a
+  checkpoint write, is one line naming the file instead)
 """
 
 from __future__ import annotations
