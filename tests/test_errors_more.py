@@ -1,8 +1,10 @@
-"""More failures end on one line (issue 22, item 7): a full disk at a checkpoint write
-(exit 1, the file named).
+"""More bad inputs end on one line (issue 22, item 7): a full disk at a checkpoint write
+(exit 1, the file named), a corpus in another encoding, a hub dataset offline.
 
-The full disk is a real OS error in a real subprocess: a file-size limit (``RLIMIT_FSIZE``)
-below a checkpoint's size, so the kernel refuses the write (EFBIG).
+Like tests/test_errors.py, the config errors run ``stabilize.train.main`` in this process
+(real Hydra composition, real checks, ``sys.exit``) and compare the tree before and after
+("nothing written"). The full disk is a real OS error in a real subprocess: a file-size
+limit (``RLIMIT_FSIZE``) below a checkpoint's size, so the kernel refuses the write (EFBIG).
 """
 
 from __future__ import annotations
@@ -15,10 +17,86 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from test_errors import BASE, cli, one_message, tree
+
+from stabilize.data import DataConfig, load_corpus
+from stabilize.data.corpus import undecodable
 from stabilize.io import verify
 from stabilize.train import run
+from stabilize.validate import ConfigError
 
 from conftest import FAST, compose_run
+
+LATIN1 = "plain ascii text, line after line.\n" * 50 + "un café crème, s'il vous plaît\n"
+BAD_AT = LATIN1.index("é")  # the first byte that is not UTF-8: every byte before it is ASCII
+LATIN1_JSONL = '{"text": "x"}\n{"text": "café"}\n'.encode("latin-1")
+
+
+@pytest.fixture
+def files(tmp_path):
+    d = tmp_path / "files"
+    d.mkdir()
+    (d / "latin1.txt").write_bytes(LATIN1.encode("latin-1"))
+    (d / "latin1.jsonl").write_bytes(LATIN1_JSONL)
+    return d
+
+
+# (overrides, what the one line must say). "{files}" is the fixture's directory; the token
+# cache is outside the compared tree ("work/"): a failed build leaves its lock file.
+CASES = [
+    # a corpus in another encoding: the file, the byte, the way out
+    (
+        ["data=local", "data.paths=[{files}/latin1.txt]"],
+        ["latin1.txt", f"does not decode as utf-8 at byte {BAD_AT}", "data.encoding=latin-1"],
+    ),
+    (
+        ["data=local", "data.paths=[{files}/latin1.jsonl]"],
+        ["latin1.jsonl", f"utf-8 at byte {LATIN1_JSONL.index(0xE9)}", "data.encoding=latin-1"],
+    ),
+    (["data.encoding=latin-9000"], ["data.encoding='latin-9000'", "a text encoding Python"]),
+    (["data.encoding=rot13"], ["data.encoding='rot13'", "'utf-8', 'latin-1'"]),
+    # a hub dataset that is not in the cache, with the hub off (conftest: HF_DATASETS_OFFLINE)
+    (
+        ["data=hub", "data.name=stabilize-no-such-dataset"],
+        ["data.name='stabilize-no-such-dataset'", "not in the local cache", "(offline"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "says"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_more_bad_inputs_are_one_line_exit_2_and_write_nothing(
+    overrides, says, files, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    args = [*BASE, *overrides, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={work}/run"]
+    args = [o.replace("{files}", str(files)) for o in args]
+    before = tree(work)
+    code, err = cli(args, work, monkeypatch, capsys)
+    line = one_message(err)
+    assert code == 2, err
+    for s in says:
+        assert s in line, (s, line)
+    assert tree(work) == before
+
+
+def test_a_non_utf8_corpus_reads_with_its_encoding(files):
+    cfg = DataConfig(source="local", paths=[str(files / "latin1.txt")], encoding="latin-1")
+    ds = load_corpus(cfg)
+    assert "un café crème" in "\n\n".join(ds["text"])
+    with pytest.raises(ConfigError, match=r"data.encoding='base64' is not allowed"):
+        DataConfig(encoding="base64")  # a codec, but bytes to bytes
+
+
+def test_the_bad_byte_is_found_across_read_chunks(tmp_path):
+    """The offset is the file's, also when a multi-byte character straddles two chunks."""
+    f = tmp_path / "big.txt"
+    head = b"a" * ((1 << 20) - 1) + "é".encode() + b"b" * 10  # é: bytes 2**20-1 and 2**20
+    f.write_bytes(head + b"\xff tail")
+    assert undecodable([str(f)], "utf-8") == (str(f), len(head), "invalid start byte")
+    assert undecodable([str(f)], "latin-1") is None
 
 
 # ---- a full disk at a checkpoint write: a real OS error, in a real subprocess -------------
