@@ -1,5 +1,6 @@
 """More bad inputs end on one line (issue 22, item 7): a full disk at a checkpoint write
-(exit 1, the file named), a corpus in another encoding, a hub dataset offline.
+(exit 1, the file named), a corpus in another encoding, a GPU that is not there, online W&B
+without a key, a hub dataset offline, a resume typo found before the corpus is tokenized.
 
 Like tests/test_errors.py, the config errors run ``stabilize.train.main`` in this process
 (real Hydra composition, real checks, ``sys.exit``) and compare the tree before and after
@@ -18,11 +19,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_errors import BASE, cli, one_message, tree
 
 from stabilize.data import DataConfig, load_corpus
 from stabilize.data.corpus import undecodable
 from stabilize.io import verify
+from stabilize.lit.config import LoggerConfig, RunConfig
+from stabilize.lit.preflight import check_wandb_login
 from stabilize.train import run
 from stabilize.validate import ConfigError
 
@@ -39,11 +43,12 @@ def files(tmp_path):
     d.mkdir()
     (d / "latin1.txt").write_bytes(LATIN1.encode("latin-1"))
     (d / "latin1.jsonl").write_bytes(LATIN1_JSONL)
+    torch.save({"state_dict": {}, "epoch": 0}, d / "lightning.ckpt")  # not ours: no model step
     return d
 
 
 # (overrides, what the one line must say). "{files}" is the fixture's directory; the token
-# cache is outside the compared tree ("work/"): a failed build leaves its lock file.
+# cache is outside the compared tree ("work/") unless a case puts it in ("{work}/cache").
 CASES = [
     # a corpus in another encoding: the file, the byte, the way out
     (
@@ -61,6 +66,14 @@ CASES = [
         ["data=hub", "data.name=stabilize-no-such-dataset"],
         ["data.name='stabilize-no-such-dataset'", "not in the local cache", "(offline"],
     ),
+    # resume=PATH: checked before the data (a corpus that would fail itself comes second)
+    (
+        ["data=local", "data.paths=[{files}/latin1.txt]", "resume={files}/nope.ckpt"]
+        + ["data.cache_dir={work}/cache"],  # nothing tokenized: no cache entry, no lock file
+        ["resume=", "nope.ckpt", "no such checkpoint file"],
+    ),
+    (["resume={files}/nope.ckpt", "data.cache_dir={work}/cache"], ["nope.ckpt"]),
+    (["resume={files}/lightning.ckpt"], ["lightning.ckpt", "not written by stabilize-train"]),
 ]
 
 
@@ -71,8 +84,10 @@ def test_more_bad_inputs_are_one_line_exit_2_and_write_nothing(
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     work = tmp_path / "work"
     work.mkdir()
-    args = [*BASE, *overrides, f"data.cache_dir={tmp_path}/cache", f"hydra.run.dir={work}/run"]
-    args = [o.replace("{files}", str(files)) for o in args]
+    if not any(o.startswith("data.cache_dir=") for o in overrides):
+        overrides = [*overrides, f"data.cache_dir={tmp_path}/cache"]  # a failed build's lock
+    args = [*BASE, *overrides, f"hydra.run.dir={work}/run"]
+    args = [o.replace("{files}", str(files)).replace("{work}", str(work)) for o in args]
     before = tree(work)
     code, err = cli(args, work, monkeypatch, capsys)
     line = one_message(err)
@@ -80,6 +95,69 @@ def test_more_bad_inputs_are_one_line_exit_2_and_write_nothing(
     for s in says:
         assert s in line, (s, line)
     assert tree(work) == before
+
+
+@pytest.mark.parametrize("accelerator", ["gpu", "cuda"])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there: nothing to refuse")
+def test_a_gpu_run_without_cuda_is_refused(accelerator, tmp_path, monkeypatch, capsys):
+    before = tree(tmp_path)
+    args = [*BASE, f"trainer.accelerator={accelerator}", f"hydra.run.dir={tmp_path}/run"]
+    code, err = cli(args, tmp_path, monkeypatch, capsys)
+    line = one_message(err)
+    assert code == 2 and f"trainer.accelerator='{accelerator}'" in line, line
+    assert "'cpu' or 'auto'" in line and tree(tmp_path) == before
+
+
+@pytest.fixture
+def fresh_wandb():
+    """wandb keeps one settings object (and the session's key) per process: a test that
+    changes HOME and WANDB_MODE gets a fresh one, and leaves one built from the next test's
+    environment."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_online_wandb_without_a_key_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch, capsys, fresh_wandb
+):
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))  # no ~/.netrc, no ~/.config/wandb/settings
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    before, before_home = tree(work), tree(home)
+    args = [*BASE, "logger=wandb", "logger.mode=online", f"hydra.run.dir={work}/run"]
+    code, err = cli(args, work, monkeypatch, capsys)
+    line = one_message(err)
+    assert code == 2, err
+    assert "logger.mode='online'" in line
+    assert "without a W&B API key" in line and "`wandb login`" in line
+    assert "logger.mode=offline" in line
+    assert tree(home) == before_home and tree(work) == before  # wandb's lookup wrote nothing
+    # the variable wins over the setting, and is named when it is what asks for online
+    monkeypatch.setenv("WANDB_MODE", "online")
+    args[args.index("logger.mode=online")] = "logger.mode=offline"
+    code, err = cli(args, work, monkeypatch, capsys)
+    assert code == 2 and "WANDB_MODE=online" in one_message(err)
+
+
+def test_a_key_from_wandb_login_passes_the_check(tmp_path, monkeypatch, fresh_wandb):
+    """`wandb login` leaves the key in ~/.netrc for W&B's host: no refusal then."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_BASE_URL", "https://api.wandb.ai")
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    online = RunConfig(logger=LoggerConfig(mode="online"))
+    with pytest.raises(ConfigError, match="without a W&B API key"):
+        check_wandb_login(online)
+    netrc = tmp_path / ".netrc"
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {'k' * 40}\n")
+    netrc.chmod(0o600)
+    check_wandb_login(online)  # found: nothing raised
 
 
 def test_a_non_utf8_corpus_reads_with_its_encoding(files):

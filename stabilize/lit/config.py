@@ -6,6 +6,7 @@ each validated on construction with the key, the value and the allowed values.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -134,6 +135,10 @@ class LoggerConfig:
 
     def __post_init__(self) -> None:
         check_choice("logger.mode", self.mode, ("offline", "online", "disabled"))
+
+    def wandb_mode(self) -> str:
+        """The mode W&B runs in: the ``WANDB_MODE`` variable wins over ``logger.mode``."""
+        return os.environ.get("WANDB_MODE", self.mode)
 
 
 @dataclass
