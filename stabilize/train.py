@@ -39,7 +39,7 @@ from stabilize.exits import (
     file_error,
     one_line,
 )
-from stabilize.lit.rundir import RunDirError, claim, unlock_all
+from stabilize.lit.rundir import RunDirError, check_name, claim, unlock_all
 from stabilize.paths import config_dir
 from stabilize.validate import ConfigError
 
@@ -138,6 +138,7 @@ class RunDirGuard(Callback):
     as it was. ``run()`` claims it again for callers without Hydra (a no-op after this)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_name(config)  # before Hydra makes runs/${name}/...: name=../../x escapes
         raw = OmegaConf.to_container(config, resolve=False).get("run_dir")
         # run_dir defaults to ${hydra:runtime.output_dir}, which Hydra fills in only later
         default = raw is None or "hydra:runtime" in str(raw)
@@ -149,6 +150,21 @@ class RunDirGuard(Callback):
             sys.exit(EXIT_CONFIG)
         if moved:
             print(moved, file=sys.stderr, flush=True)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_name(config)  # before the launcher makes multirun/${name}/...
+
+
+def _check_name(config: DictConfig) -> None:
+    """``name`` is one directory (``lit/rundir.check_name``), refused before any is made."""
+    try:
+        name = config.name
+    except OmegaConfBaseException:  # an interpolation that fails: the app names it
+        return
+    try:
+        check_name(name)
+    except ConfigError as e:  # every rank refuses: rank 0 says so (``_fail``)
+        _fail(EXIT_CONFIG, str(e))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")

@@ -1,6 +1,7 @@
 """More bad inputs end on one line (issue 22, item 7): a full disk at a checkpoint write
 (exit 1, the file named), a corpus in another encoding, a GPU that is not there, online W&B
-without a key, a hub dataset offline, a resume typo found before the corpus is tokenized.
+without a key, a hub dataset offline, a run name that leaves runs/, a resume typo found
+before the corpus is tokenized.
 
 Like tests/test_errors.py, the config errors run ``stabilize.train.main`` in this process
 (real Hydra composition, real checks, ``sys.exit``) and compare the tree before and after
@@ -66,6 +67,9 @@ CASES = [
         ["data=hub", "data.name=stabilize-no-such-dataset"],
         ["data.name='stabilize-no-such-dataset'", "not in the local cache", "(offline"],
     ),
+    # names that would leave runs/ (the run dir is given here: refused all the same)
+    (["name=a/b"], ["name='a/b'", "one directory under runs/", "without '/'"]),
+    (["name=.."], ["name='..'", "'..'"]),
     # resume=PATH: checked before the data (a corpus that would fail itself comes second)
     (
         ["data=local", "data.paths=[{files}/latin1.txt]", "resume={files}/nope.ckpt"]
@@ -158,6 +162,25 @@ def test_a_key_from_wandb_login_passes_the_check(tmp_path, monkeypatch, fresh_wa
     netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {'k' * 40}\n")
     netrc.chmod(0o600)
     check_wandb_login(online)  # found: nothing raised
+
+
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "multirun"])
+def test_a_name_that_leaves_runs_is_refused_and_nothing_is_made(
+    sweep, tmp_path, monkeypatch, capsys
+):
+    """runs/${name}/<id> (and multirun/${name}/<time>): Hydra makes that dir before the app
+    runs, so the refusal comes from the run-dir guard, before Hydra makes it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.delenv("STABILIZE_RUN_DIR", raising=False)
+    monkeypatch.delenv("STABILIZE_SWEEP_DIR", raising=False)
+    before = tree(tmp_path)
+    args = [*(["-m"] if sweep else []), *BASE, "name=../../escape"]
+    code, err = cli(args, work, monkeypatch, capsys)
+    line = one_message(err)
+    assert code == 2 and "name='../../escape' is not allowed" in line, err
+    assert not (tmp_path / "escape").exists()  # work/runs/../../escape
+    assert tree(tmp_path) == before
 
 
 def test_a_non_utf8_corpus_reads_with_its_encoding(files):

@@ -12,6 +12,7 @@ from typing import Any
 
 from stabilize.data import DEFAULT_TOKENIZER, DataConfig, choose_tokenizer, follow_vocab
 from stabilize.faults import FaultConfig, fault_config
+from stabilize.lit.rundir import check_name
 from stabilize.model import GPTConfig
 from stabilize.model.config import PRESETS
 from stabilize.monitors import MonitorConfig
@@ -182,6 +183,7 @@ class RunConfig:
     verbose: bool = False  # also third-party notices (stabilize/lit/quiet.py), model summary
 
     def __post_init__(self) -> None:
+        check_name(self.name)
         if not isinstance(self.verbose, bool):
             raise ConfigError(f"verbose={self.verbose!r} is not allowed; allowed: true, false")
         self.model = build_dataclass(GPTConfig, self.model, "model")
