@@ -1,7 +1,7 @@
 """More bad inputs end on one line (issue 22, item 7): a full disk at a checkpoint write
 (exit 1, the file named), a corpus in another encoding, a GPU that is not there, online W&B
 without a key, a hub dataset offline, a run name that leaves runs/, a resume typo found
-before the corpus is tokenized.
+before the corpus is tokenized, Hydra's unknown keys without its '+' advice.
 
 Like tests/test_errors.py, the config errors run ``stabilize.train.main`` in this process
 (real Hydra composition, real checks, ``sys.exit``) and compare the tree before and after
@@ -78,6 +78,11 @@ CASES = [
     ),
     (["resume={files}/nope.ckpt", "data.cache_dir={work}/cache"], ["nope.ckpt"]),
     (["resume={files}/lightning.ckpt"], ["lightning.ckpt", "not written by stabilize-train"]),
+    # Hydra's unknown keys: where, and what was meant
+    (["typo=1"], ["typo=1 is not allowed", "not a setting of the top level", "allowed: hydra"]),
+    (["model.n_layerz=3"], ["'model' group", "did you mean model.n_layer?"]),
+    (["fault=nan_loss", "fault.stepp=3"], ["fault.stepp=3", "did you mean fault.step?"]),
+    (["model.n_layer.x=3"], ["model.n_layer.x=3 is not allowed", "model.n_layer holds a value"]),
 ]
 
 
@@ -98,6 +103,7 @@ def test_more_bad_inputs_are_one_line_exit_2_and_write_nothing(
     assert code == 2, err
     for s in says:
         assert s in line, (s, line)
+    assert "use +" not in line and " +" not in line  # Hydra's advice: refused here
     assert tree(work) == before
 
 
