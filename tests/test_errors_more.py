@@ -1,7 +1,8 @@
 """More bad inputs end on one line (issue 22, item 7): a full disk at a checkpoint write
 (exit 1, the file named), a corpus in another encoding, a GPU that is not there, online W&B
 without a key, a hub dataset offline, a run name that leaves runs/, a resume typo found
-before the corpus is tokenized, Hydra's unknown keys without its '+' advice.
+before the corpus is tokenized, Hydra's unknown keys without its '+' advice, and run names
+that are not markdown in report.md.
 
 Like tests/test_errors.py, the config errors run ``stabilize.train.main`` in this process
 (real Hydra composition, real checks, ``sys.exit``) and compare the tree before and after
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -21,13 +23,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_errors import BASE, cli, one_message, tree
+from test_errors import BASE, ROLLBACK_EVENTS, _run_dir, cli, one_message, tree
 
 from stabilize.data import DataConfig, load_corpus
 from stabilize.data.corpus import undecodable
 from stabilize.io import verify
 from stabilize.lit.config import LoggerConfig, RunConfig
 from stabilize.lit.preflight import check_wandb_login
+from stabilize.report import main as report_main
+from stabilize.report import markdown
 from stabilize.train import run
 from stabilize.validate import ConfigError
 
@@ -245,3 +249,36 @@ def test_a_checkpoint_write_that_fails_names_the_file_and_keeps_the_last_one(tmp
     assert not list(last.parent.glob(".*.tmp-*"))  # the torn temporary is gone
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "failed" and "File too large" in result["error"]
+
+
+# ---- report.md: a run's name is text, not markdown ----------------------------------------
+def _cells(row: str) -> list[str]:
+    """A table row's cells, split on the pipes markdown splits on (not on escaped ones)."""
+    return re.split(r"(?<!\\)\|", row.strip())[1:-1]
+
+
+def test_a_run_named_with_markdown_characters_renders_literally(tmp_path):
+    markdown_it = pytest.importorskip("markdown_it")
+    name = "a|b*c_"
+    run_dir = _run_dir(tmp_path / name, [json.dumps(e) for e in ROLLBACK_EVENTS])
+    out = tmp_path / "out"
+    assert report_main([str(run_dir), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    table = md.split("## Per run")[1].split("\n\n")[1].splitlines()
+    assert len(_cells(table[2])) == len(_cells(table[0])) == 16
+    assert _cells(table[2])[0].strip() == r"a\|b\*c\_"
+    assert md.count(r"### a\|b\*c\_") == 2  # its rollbacks and its chain of events
+    # rendered as GitHub does: one row of 16 cells, the name as it is, no emphasis
+    html = markdown_it.MarkdownIt("commonmark").enable(["table", "strikethrough"]).render(md)
+    body = html.split("<tbody>")[1].split("</tbody>")[0]
+    assert body.count("<td>") == 16 and "<td>a|b*c_</td>" in body
+    assert html.count("<h3>a|b*c_</h3>") == 2 and "b<em>" not in html
+    assert f"<code>{name}</code>" in html  # "Runs:": a code span
+
+
+def test_a_backslash_or_backtick_in_a_name_stays_literal():
+    markdown_it = pytest.importorskip("markdown_it")
+    render = markdown_it.MarkdownIt("commonmark").enable("table").render
+    html = render(markdown.table([["arm", "loss"], ["x\\|y", "1"]]))  # x\|y: not x\ | y
+    assert html.count("<td>") == 2 and "<td>x\\|y</td>" in html
+    assert render(markdown.code("a`b")) == "<p><code>a`b</code></p>\n"
