@@ -7,13 +7,15 @@ run that stopped on purpose from one that crashed (issue 12, items 7 and 8):
 - 0 ``done``
 - 2 ``config error``: a setting, a data file or a resume path was refused before anything
   was written; the one-line message names the key, the value and what is allowed (or the
-  file)
+  file). Settings this machine cannot honour count: ``trainer.accelerator=gpu`` without
+  CUDA, online W&B without an API key, a hub dataset not cached while offline
 - 3 ``aborted``: a stability abort; the rollback ladder was exhausted (diagnosis.json)
 - 4 ``preempted``: a preemption signal (``trainer.preempt_signals``, SIGTERM by default)
   stopped the run after a durable checkpoint at that step; requeue it with ``resume=auto``
 - 5 ``hung``: a rank made no progress for ``trainer.hang_timeout_s``; the watchdog named
   it (result.json ``hung``, stacks in ``ranks/``) and ended the launch (lit/watchdog.py)
-- anything else: ``crashed`` (a traceback says where)
+- anything else: ``crashed`` (a traceback says where; an OS error, such as a full disk at a
+  checkpoint write, is one line naming the file instead)
 """
 
 from __future__ import annotations

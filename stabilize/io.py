@@ -33,15 +33,22 @@ class DamagedFile(ValueError):
 
 
 class _HashingWriter:
-    """Hands torch.save's bytes to the file and to SHA-256 at once (no second read)."""
+    """Hands torch.save's bytes to the file and to SHA-256 at once (no second read), and
+    keeps the first write error: torch's zip writer replaces it with an errno-less
+    ``RuntimeError: ... unexpected pos N vs M``."""
 
     def __init__(self, f):
         self.f = f
         self.sha = hashlib.sha256()
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.sha.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -53,6 +60,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
     A crash (even SIGKILL) at any point leaves either the old file or the new one, never a
     torn one: rename is atomic on POSIX file systems, and the fsyncs order data before name.
+    A failed write (a full disk: ENOSPC, a file-size limit: EFBIG) raises the OS's
+    ``OSError`` with ``filename`` set to ``path``; ``path`` is left as it was.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -61,11 +70,20 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     try:
         with open(tmp, "wb") as f:
             w = _HashingWriter(f)
-            torch.save(obj, w)
+            try:
+                torch.save(obj, w)
+            except RuntimeError:
+                if w.error is None:
+                    raise
+                raise w.error from None  # the OS's reason (a full disk), not the zip writer's
             f.write(FOOTER_TAG + w.sha.hexdigest().encode() + b"\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None:  # a failed write or fsync names no file: say which one
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -12,6 +12,7 @@ upstream).
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import shutil
@@ -29,7 +30,7 @@ import hydra
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from stabilize.elastic import fresh_store_for_restart, restart_count
 from stabilize.exits import (
@@ -40,7 +41,7 @@ from stabilize.exits import (
     file_error,
     one_line,
 )
-from stabilize.lit.rundir import RunDirError, claim, elastic_resume, unlock_all
+from stabilize.lit.rundir import RunDirError, check_name, claim, elastic_resume, unlock_all
 from stabilize.paths import config_dir
 from stabilize.validate import ConfigError
 
@@ -139,6 +140,7 @@ class RunDirGuard(Callback):
     as it was. ``run()`` claims it again for callers without Hydra (a no-op after this)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_name(config)  # before Hydra makes runs/${name}/...: name=../../x escapes
         raw = OmegaConf.to_container(config, resolve=False).get("run_dir")
         # run_dir defaults to ${hydra:runtime.output_dir}, which Hydra fills in only later
         default = raw is None or "hydra:runtime" in str(raw)
@@ -151,6 +153,21 @@ class RunDirGuard(Callback):
             sys.exit(EXIT_CONFIG)
         if moved:
             print(moved, file=sys.stderr, flush=True)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_name(config)  # before the launcher makes multirun/${name}/...
+
+
+def _check_name(config: DictConfig) -> None:
+    """``name`` is one directory (``lit/rundir.check_name``), refused before any is made."""
+    try:
+        name = config.name
+    except OmegaConfBaseException:  # an interpolation that fails: the app names it
+        return
+    try:
+        check_name(name)
+    except ConfigError as e:  # every rank refuses: rank 0 says so (``_fail``)
+        _fail(EXIT_CONFIG, str(e))
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
@@ -260,10 +277,36 @@ def main() -> None:
         msg = str(e).split("\nConfig search path:")[0]  # Hydra's, for a missing group option
         if isinstance(e.__cause__, OmegaConfBaseException) and str(e.__cause__) not in msg:
             msg += "\n" + str(e.__cause__)
-        _fail(EXIT_CONFIG, one_line(msg), every_rank=True)
+        _fail(EXIT_CONFIG, unknown_key(e, sys.argv[1:]) or one_line(msg), every_rank=True)
     except OSError as e:  # before the app ran: Hydra could not make the run dir
         _fail(EXIT_CONFIG, f"the run dir cannot be made: {file_error(e)}", every_rank=True)
     _close_process_group()
+
+
+def unknown_key(e: BaseException, overrides: Sequence[str]) -> str | None:
+    """Hydra's message for an override of a key no config has ("Could not override
+    'model.n_layerz'. To append to your config use +model.n_layerz=3") as one line that
+    names the key's group, the close matches or the group's keys, and never suggests
+    ``+``: every setting is a dataclass field, so an appended key is refused too. None for
+    any other error."""
+    cause = e.__cause__
+    if not isinstance(cause, ConfigAttributeError | ConfigKeyError):
+        return None
+    if not str(e).startswith("Could not override") or not cause.full_key:
+        return None
+    parent, _, key = cause.full_key.rpartition(".")
+    node = cause.parent_node
+    keys = [str(k) for k in node] if isinstance(node, DictConfig) else []
+    prefix = f"{parent}." if parent else ""
+    given = next((o for o in overrides if o.split("=", 1)[0] == cause.full_key), cause.full_key)
+    if not keys:  # model.n_layer.x: under a value
+        return f"{given} is not allowed: {parent} holds a value, not settings"
+    where = f"the {parent!r} group" if parent else "the top level"
+    line = f"{given} is not allowed: {key!r} is not a setting of {where}"
+    close = difflib.get_close_matches(key, keys, n=3)
+    if close:
+        return line + f"; did you mean {' or '.join(prefix + k for k in close)}?"
+    return line + f"; allowed: {', '.join(prefix + k for k in keys)}"
 
 
 def _close_process_group() -> None:

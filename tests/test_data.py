@@ -31,6 +31,7 @@ from stabilize.data import (
     tokenize,
     unregister_tokenizer,
 )
+from stabilize.validate import ConfigError
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.\nA second line.",
@@ -201,7 +202,9 @@ def test_hub_path_reads_save_to_disk_directories(tmp_path, offline):
 
 
 def test_unreachable_hub_name_fails_fast_offline_with_a_hint(offline):
-    with pytest.raises(ConnectionError, match=r"data.name='nobody/no-such-set'.*data.source"):
+    # offline is a setting of this environment: a config error (exit 2), not a crash
+    said = r"data.name='nobody/no-such-set'.*not in the local cache and the hub cannot be "
+    with pytest.raises(ConfigError, match=said + r"reached \(offline.*data=embedded"):
         load_corpus(DataConfig(source="hub", name="nobody/no-such-set"))
 
 

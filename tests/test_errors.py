@@ -91,8 +91,9 @@ CASES = [
     # Hydra's own errors: an unknown group option, an unknown key, an unresolvable value
     (["norm=groupnorm"], ["norm/groupnorm", "Available options in 'norm': layernorm"]),
     (["precision=fp8"], ["precision/fp8", "fp16-mixed"]),
-    (["typo=1"], ["Could not override 'typo'", "+typo=1"]),
-    (["model.n_layerz=3"], ["n_layerz"]),
+    # (an unknown key: its group and the close matches, never Hydra's "use +typo=1")
+    (["typo=1"], ["typo=1 is not allowed", "not a setting of the top level", "allowed:"]),
+    (["model.n_layerz=3"], ["model.n_layerz=3", "'model' group", "did you mean model.n_layer?"]),
     (["name=${oc.env:STABILIZE_NO_SUCH_VAR}"], ["STABILIZE_NO_SUCH_VAR"]),
 ]
 

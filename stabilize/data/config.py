@@ -42,6 +42,9 @@ class DataConfig:
     """hub only; local files always form one "train" split."""
     text_field: str = "text"
     """The column that holds each document's text."""
+    encoding: str = "utf-8"
+    """local .txt/.jsonl/.json files only: the text encoding they are written in (any codec
+    Python knows: utf-8, latin-1, cp1252, ...)."""
     val_fraction: float = 0.05
     """The last fraction of the token stream held out for validation, in [0, 0.5)."""
     batch_size: int = 16
@@ -94,6 +97,11 @@ class DataConfig:
             value = getattr(self, key)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"data.{key}={value!r} is not allowed; must be a non-empty str")
+        if not isinstance(self.encoding, str) or not _is_text_encoding(self.encoding):
+            raise ConfigError(
+                f"data.encoding={self.encoding!r} is not allowed; allowed: a text encoding "
+                "Python knows (e.g. 'utf-8', 'latin-1', 'cp1252'; see Python's codecs module)"
+            )
         check_range("data.val_fraction", self.val_fraction, 0.0, 0.5)
         check_positive("data.batch_size", self.batch_size, integer=True)
         check_int("data.seed", self.seed)
@@ -133,6 +141,17 @@ class DataConfig:
                 f"{key}={paths!r} is not allowed: it mixes file types {suffixes}; "
                 "allowed: files of one type (.txt/.text, .jsonl/.json or .parquet)"
             )
+
+
+def _is_text_encoding(name: str) -> bool:
+    """A codec Python knows that decodes bytes to text (not base64, rot13, ...)."""
+    try:
+        b"a".decode(name)  # not b"": an empty input is decoded without looking the codec up
+    except UnicodeError:  # a text codec (utf-16 wants 2 bytes)
+        return True
+    except (LookupError, ValueError, TypeError):  # unknown, or bytes -> bytes / str -> str
+        return False
+    return True
 
 
 def _as_list(paths: Any) -> list[str]:

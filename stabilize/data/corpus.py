@@ -8,6 +8,7 @@ when it has one (``data.val_paths``, a hub dataset's ``validation`` split), and
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 from pathlib import Path
@@ -100,7 +101,15 @@ def _load_hub(cfg: DataConfig, split: str | None = None) -> datasets.Dataset | N
             return None
         raise
     except ConnectionError as e:
-        # Without HF_DATASETS_OFFLINE=1, an unreachable hub costs ~25 s of retries first.
+        if datasets.config.HF_HUB_OFFLINE:  # a setting of this environment: a config error
+            raise ConfigError(
+                f"data.name={cfg.name!r} is not allowed here: the dataset is not in the local "
+                "cache and the hub cannot be reached (offline: HF_DATASETS_OFFLINE / "
+                "HF_HUB_OFFLINE); allowed: a dataset already in the cache, a dataset directory "
+                "(save_to_disk), data=local data.paths=[...] or data=embedded"
+            ) from e
+        # Without HF_DATASETS_OFFLINE=1, an unreachable hub costs ~25 s of retries first;
+        # the network may come back: a crash (exit 1), not a setting
         raise ConnectionError(
             f"data.name={cfg.name!r}: the hub is unreachable and no local copy exists ({e}). "
             "Use a local dataset directory, data.source='local' or data.source='embedded'."
@@ -127,7 +136,42 @@ def _load_files(cfg: DataConfig, paths: list[str], key: str) -> datasets.Dataset
     # .txt: one row per paragraph; joined again with DOC_SEPARATOR, a file gives the same
     # stream as its text would as a json or parquet row ("line" would drop the newlines).
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+    if builder in ("text", "json"):
+        kwargs["encoding"] = cfg.encoding
+        # checked first: datasets' error names neither the file nor the byte, and pyarrow's
+        # JSON reader takes invalid UTF-8 into the table (it fails later, at tokenizing).
+        # One read of the corpus, only when its token cache is built (cache.py).
+        bad = undecodable(files, cfg.encoding)
+        if bad is not None:
+            path, offset, reason = bad
+            raise ConfigError(
+                f"{key}={paths!r} is not allowed with data.encoding={cfg.encoding!r}: "
+                f"{path!r} does not decode as {cfg.encoding} at byte {offset} ({reason}); "
+                "allowed: the file's own encoding (e.g. data.encoding=latin-1), or fix the "
+                f"file (re-encode it as {cfg.encoding})"
+            )
     return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+
+
+def undecodable(paths: list[str], encoding: str) -> tuple[str, int, str] | None:
+    """The first of ``paths`` that does not decode as ``encoding``: (file, offset of the
+    first bad byte in it, the codec's reason); None when every file decodes. Read in
+    chunks: a corpus need not fit in memory."""
+    for path in paths:
+        decoder = codecs.getincrementaldecoder(encoding)()
+        done = 0  # bytes of the file handed to the decoder before this chunk
+        with open(path, "rb") as f:
+            while True:
+                chunk = f.read(1 << 20)
+                held = len(decoder.getstate()[0])  # a sequence cut by the previous chunk
+                try:
+                    decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as e:  # e.start: into held bytes + this chunk
+                    return path, done - held + e.start, e.reason
+                if not chunk:
+                    break
+                done += len(chunk)
+    return None
 
 
 def load_corpus(cfg: DataConfig) -> datasets.Dataset:
@@ -184,6 +228,7 @@ def corpus_identity(cfg: DataConfig) -> dict[str, Any]:
         ident["sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
     elif cfg.source == "local":
         ident["files"] = _file_ids(cfg.paths)
+        ident["encoding"] = cfg.encoding  # the same bytes are other text in another one
         ident["val_files"] = _file_ids(cfg.val_paths)
     else:
         ident |= {"name": cfg.name, "config_name": cfg.config_name, "split": cfg.split}

@@ -97,7 +97,7 @@ def build_loggers(cfg: LoggerConfig, run: RunConfig) -> list[Logger]:
         # csv/version_N/metrics.csv: a resumed launch gets the next version, so nothing
         # logged before the interruption is overwritten (CSVLogger deletes an existing file).
         loggers.append(CSVLogger(save_dir=run.run_dir, name="csv"))
-    mode = os.environ.get("WANDB_MODE", cfg.mode)
+    mode = cfg.wandb_mode()
     if cfg.wandb and mode != "disabled":
         wandb_logger = WandbLogger(
             save_dir=run.run_dir,

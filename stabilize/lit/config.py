@@ -6,11 +6,13 @@ each validated on construction with the key, the value and the allowed values.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from stabilize.data import DEFAULT_TOKENIZER, DataConfig, choose_tokenizer, follow_vocab
 from stabilize.faults import FaultConfig, fault_config
+from stabilize.lit.rundir import check_name
 from stabilize.model import GPTConfig
 from stabilize.model.config import PRESETS
 from stabilize.monitors import MonitorConfig
@@ -142,6 +144,10 @@ class LoggerConfig:
     def __post_init__(self) -> None:
         check_choice("logger.mode", self.mode, ("offline", "online", "disabled"))
 
+    def wandb_mode(self) -> str:
+        """The mode W&B runs in: the ``WANDB_MODE`` variable wins over ``logger.mode``."""
+        return os.environ.get("WANDB_MODE", self.mode)
+
 
 @dataclass
 class AuditConfig:
@@ -185,6 +191,7 @@ class RunConfig:
     verbose: bool = False  # also third-party notices (stabilize/lit/quiet.py), model summary
 
     def __post_init__(self) -> None:
+        check_name(self.name)
         for key in ("verbose", "resume_trusted"):
             if not isinstance(getattr(self, key), bool):
                 value = getattr(self, key)

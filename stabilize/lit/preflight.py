@@ -12,7 +12,10 @@ know is checked here, at the top of ``train.run`` (before the run dir is made):
   each rank's validation batch (the token cache is built here, stabilize/data/cache.py, and
   the run's loaders reuse it; the tokenizer's ids were checked against ``model.vocab_size``
   by ``RunConfig``);
-- ``resume=PATH``: the file exists and is a checkpoint.
+- ``resume=PATH``: the file exists and is a checkpoint (checked before the data: a typo
+  costs no tokenizing);
+- ``trainer.accelerator=gpu``: a CUDA device is visible; ``logger.mode=online``: W&B has an
+  API key.
 
 A ``ValueError`` raised while building the config or running these checks is a config
 error: it is re-raised as ``ConfigError`` (the CLI prints it on one line, exit code 2).
@@ -77,14 +80,58 @@ def world_size(cfg: RunConfig) -> int:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Every start-up check (module docstring); raises ``ConfigError``, writes nothing."""
+    """Every start-up check (module docstring); raises ``ConfigError``, writes nothing.
+    The cheap ones come first: a typo in a resume path or a missing GPU is reported before
+    the corpus is tokenized."""
+    check_accelerator(cfg.trainer.accelerator)
+    check_resume(cfg.resume, cfg.trainer.strategy, cfg.resume_trusted)
+    check_wandb_login(cfg)
     world = world_size(cfg)
     check_fault_rank(cfg, world)
     with config_errors(), torch.device("meta"):
         model = GPT(cfg.model)
     check_fault_param(cfg, [name for name, _ in model.named_parameters()])
     check_data(cfg, world)
-    check_resume(cfg.resume, cfg.trainer.strategy, cfg.resume_trusted)
+
+
+def check_accelerator(accelerator: str) -> None:
+    """``trainer.accelerator=gpu`` (or ``cuda``) needs a CUDA device this process can see."""
+    if accelerator not in ("gpu", "cuda") or torch.cuda.is_available():
+        return
+    why = (
+        "this torch is a CPU-only build"
+        if torch.version.cuda is None
+        else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+    )
+    raise ConfigError(
+        f"trainer.accelerator={accelerator!r} is not allowed here: {why}; allowed: 'cpu' or "
+        f"'auto' (the GPU when there is one, else the CPU)"
+    )
+
+
+def check_wandb_login(cfg: RunConfig) -> None:
+    """An online W&B run needs an API key; without one wandb.init fails after the run has
+    started. ``wandb.login(prompt=False, verify=False)`` is wandb's own lookup (the
+    ``WANDB_API_KEY`` variable, its settings files, ``~/.netrc`` for its host): it prompts
+    for nothing, checks nothing with the server, and returns False when there is no key."""
+    mode = cfg.logger.wandb_mode()
+    if not cfg.logger.wandb or mode != "online":
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return  # what wandb reads first; no need to load wandb to know
+    import wandb
+
+    from stabilize.lit.quiet import quiet
+
+    with quiet(cfg.verbose):  # its "credentials loaded" lines: W&B's banner, silenced
+        if wandb.login(key=None, verify=False, prompt=False):
+            return
+    key = "WANDB_MODE=online" if os.environ.get("WANDB_MODE") else "logger.mode='online'"
+    raise ConfigError(
+        f"{key} is not allowed without a W&B API key (none in WANDB_API_KEY, wandb's settings "
+        f"or ~/.netrc); allowed: run `wandb login` (or set WANDB_API_KEY) first, or "
+        f"logger.mode=offline (and `wandb sync` later)"
+    )
 
 
 def check_fault_rank(cfg: RunConfig, world: int) -> None:
@@ -147,7 +194,8 @@ def _quiet_datasets() -> Iterator[None]:
 
 def check_resume(resume: str, strategy: str = "auto", trusted: bool = False) -> None:
     """``resume=PATH`` names a file that is a checkpoint: a torch zip archive holding a
-    Lightning checkpoint (loaded memory-mapped: the tensors are not read); or, under
+    Lightning checkpoint of ours (``state_dict`` and our ``stabilize`` state; loaded
+    memory-mapped: the tensors are not read); or, under
     ``trainer.strategy=fsdp``, a sharded checkpoint directory (DCP, lit/fsdp.py)."""
     if resume in ("none", "auto", "restart"):  # modes, not paths (lit/checkpoint.py)
         return
@@ -182,6 +230,8 @@ def check_resume(resume: str, strategy: str = "auto", trusted: bool = False) -> 
         else:
             if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
                 reason = "no 'state_dict' in it"
+            elif "stabilize" not in ckpt:  # another Lightning project's: no model step
+                reason = "no 'stabilize' state in it: not written by stabilize-train"
     if reason:
         raise ConfigError(
             f"resume={resume!r} is not allowed: {str(path)!r} is not a checkpoint ({reason}); "

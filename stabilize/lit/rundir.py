@@ -21,6 +21,9 @@ import shutil
 import socket
 from datetime import datetime
 from pathlib import Path
+from typing import Any
+
+from stabilize.validate import ConfigError
 
 LOCK = ".lock"  # held (flock) by the launch training in the dir, for its whole life
 _held: dict[str, tuple[int, bool]] = {}  # run dir -> (locked descriptor, file created here)
@@ -47,6 +50,20 @@ RESUME_CHOICES = "'none', 'auto', 'restart' or a path to a .ckpt file"
 
 class RunDirError(ValueError):
     """The run dir does not allow what the launch asks (exit code 2 from the CLI)."""
+
+
+def check_name(name: Any) -> None:
+    """``name`` names one directory: configs/train.yaml puts runs in ``runs/${name}/<id>``
+    and sweeps in ``multirun/${name}/<time>``, so a ``/`` or ``..`` in it would put them
+    somewhere else (``name=../../x``: outside ``runs/``). ``run_dir=`` or
+    ``STABILIZE_RUN_DIR`` choose another place on purpose."""
+    s = str(name)
+    if name is None or s in ("", ".") or any(c in s for c in ("/", "\\", "..", "\0")):
+        raise ConfigError(
+            f"name={name!r} is not allowed: a run's name is one directory under runs/ (and "
+            "multirun/); allowed: a name without '/', '\\' or '..' (e.g. name=fp16_sweep; "
+            "run_dir=PATH or STABILIZE_RUN_DIR=PATH put a run anywhere)"
+        )
 
 
 def _rank() -> int:

@@ -19,6 +19,9 @@ from pathlib import Path
 
 from stabilize.report.chain import chain
 from stabilize.report.load import Run, load_run_dir, load_wandb
+from stabilize.report.markdown import code as md_code
+from stabilize.report.markdown import table as md_table
+from stabilize.report.markdown import text as md_text
 from stabilize.report.naming import arm_names, is_scenario, swept
 from stabilize.report.plots import make_plots
 from stabilize.report.summary import (
@@ -44,20 +47,13 @@ __all__ = [
 ]
 
 
-def _md_table(rows: list[list]) -> str:
-    cells = [[str(c).replace("|", "\\|") for c in r] for r in rows]
-    lines = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(cells[0])]
-    lines += ["| " + " | ".join(r) + " |" for r in cells[1:]]
-    return "\n".join(lines)
-
-
 def _comparison(runs: list[Run], arms: list[ArmSummary]) -> list[str]:
     """A sweep's table: one row per member, keyed by its swept values."""
     values = swept(runs)
     keys = list(values[0]) if values else []
     rows = [[*keys, *COMPARE]]
     rows += [[*(v[k] for k in keys), *compare_row(a)] for v, a in zip(values, arms, strict=True)]
-    lines = ["## Comparison", "", _md_table(rows), ""]
+    lines = ["## Comparison", "", md_table(rows), ""]
     lines += best_lines(arms)
     return lines
 
@@ -74,12 +70,12 @@ def best_lines(arms: list[ArmSummary]) -> list[str]:
         whole = "the whole" if all(a.heldout_whole for a in done) else "part of the"
         return [
             f"Lowest bits per byte on {whole} held-out split ({best.heldout_bytes:,} bytes): "
-            f"`{best.arm}` ({best.heldout_bpb:.4g}).",
+            f"{md_code(best.arm)} ({best.heldout_bpb:.4g}).",
             "",
         ]
     best = min(done, key=lambda a: a.final_loss)
     return [
-        f"Lowest training loss over the last {LAST_STEPS} steps: `{best.arm}` "
+        f"Lowest training loss over the last {LAST_STEPS} steps: {md_code(best.arm)} "
         f"({best.final_loss:.3g}).",
         "",
     ]
@@ -105,7 +101,7 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
     plots = make_plots(runs, out)
     lines = [f"# {title}", ""]
     lines += [
-        "Runs: " + ", ".join(f"`{r.arm}` ({r.source})" for r in runs),
+        "Runs: " + ", ".join(f"{md_code(r.arm)} ({md_text(r.source)})" for r in runs),
         "",
     ]
     if not scenario and len(runs) > 1:
@@ -113,7 +109,7 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
     lines += [
         "## Per arm" if scenario else "## Per run",
         "",
-        _md_table(table(arms)),
+        md_table(table(arms)),
         "",
         "Steps are the model's own steps (a rollback rewinds them), in the table and on every "
         "plot's x axis. *first |x|>256*: the first "
@@ -134,7 +130,7 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
         lines += ["`~`: rebuilt from logged metrics (W&B API): as fine as the log interval.", ""]
     if scenario:
         ref, verdicts = judge(arms, [facts(r, a) for r, a in zip(runs, arms, strict=True)])
-        lines += ["## Against the reference", "", _md_table(verdict_rows(ref, verdicts)), ""]
+        lines += ["## Against the reference", "", md_table(verdict_rows(ref, verdicts)), ""]
         lines += [VERDICT_NOTE, ""]
         lines += ["## Conclusions", ""]
         found = conclusions(arms)  # the baseline's chain first, then the verdicts, then costs
@@ -142,7 +138,8 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
         said = (
             chain_first + [v.words for v in verdicts] + [c for c in found if c not in chain_first]
         )
-        lines += [f"- {c}" for c in said] or ["- (no run had anything to conclude from)"]
+        # plain sentences with the arms' names in them: written as text, not markdown
+        lines += [f"- {md_text(c)}" for c in said] or ["- (no run had anything to conclude from)"]
         lines += [""]
     told = [(a.arm, a.rollback_story) for a in arms if a.rollback_story]
     if told:
@@ -153,10 +150,10 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
             "",
         ]
         for arm, story in told:
-            lines += [f"### {arm}", "", *story, ""]
+            lines += [f"### {md_text(arm)}", "", *story, ""]
     unreadable = [w for r in runs for w in r.warnings]
     if unreadable:  # what was skipped, by file and line: the rest is reported above and below
-        lines += ["## Warnings", "", *(f"- {w}" for w in unreadable), ""]
+        lines += ["## Warnings", "", *(f"- {md_code(w)}" for w in unreadable), ""]
     lines += ["## Plots", ""]
     lines += [
         "x: the model step. Solid: the trajectory the run kept; faded, ending in `x`: an "
@@ -169,7 +166,7 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
         lines += [f"![{name}]({p.name})", ""]
     lines += ["## Chain of events per arm" if scenario else "## Chain of events per run", ""]
     for r in runs:
-        lines += [f"### {r.arm}", ""]
+        lines += [f"### {md_text(r.arm)}", ""]
         lines += [f"1. {c}" for c in chain(r)] or ["No events: nothing was flagged."]
         if r.diagnosis:
             lines += ["", f"Diagnosis: {r.diagnosis.get('reason')}"]
