@@ -87,7 +87,7 @@ launch() {  # one run: the arm's console streams prefixed with its name, rc to $
     || rc=$?
   echo "$rc" > "$out/$name.rc"
   local what
-  case "$rc" in 0) what=done ;; 2) what="config error" ;; 3) what="aborted (stability)" ;; 4) what="preempted (resume=auto goes on)" ;; *) what=crashed ;; esac
+  case "$rc" in 0) what=done ;; 2) what="config error" ;; 3) what="aborted (stability)" ;; 4) what="preempted (resume=auto goes on)" ;; 5) what="hung (a rank named: ranks/)" ;; *) what=crashed ;; esac
   echo "    $name: $what (exit $rc, $((SECONDS - start)) s so far); log $out/$name.log" >&2
 }
 

@@ -42,10 +42,10 @@ mapfile -t members <<< "$lines"
 
 echo "sweep $group: ${#members[@]} members" >&2
 if [[ $dry -eq 1 ]]; then printf '%s\n' "${members[@]}"; exit 0; fi
-# The sweep's exit code is its worst member's: a crash (any other code) > 3 (a stability
-# abort) > 2 (a config error) > 4 (preempted: requeue it) > 0 (stabilize/exits.py).
-severity() { case "$1" in 0) echo 0 ;; 4) echo 1 ;; 2) echo 2 ;; 3) echo 3 ;; *) echo 4 ;; esac; }
-meaning() { case "$1" in 0) echo done ;; 2) echo "config error" ;; 3) echo aborted ;; 4) echo preempted ;; *) echo crashed ;; esac; }
+# The sweep's exit code is its worst member's: a crash (any other code) > 5 (hung) > 3 (a
+# stability abort) > 2 (a config error) > 4 (preempted: requeue it) > 0 (stabilize/exits.py).
+severity() { case "$1" in 0) echo 0 ;; 4) echo 1 ;; 2) echo 2 ;; 3) echo 3 ;; 5) echo 4 ;; *) echo 5 ;; esac; }
+meaning() { case "$1" in 0) echo done ;; 2) echo "config error" ;; 3) echo aborted ;; 4) echo preempted ;; 5) echo hung ;; *) echo crashed ;; esac; }
 status=0
 for i in "${!members[@]}"; do
   eval "overrides=(${members[$i]})"  # safe: every word was quoted by shlex.quote
