@@ -1,4 +1,4 @@
-"""The data layer's figures (issue 14): tokenization throughput, a training rank's peak memory
+"""The data layer's figures: tokenization throughput, a training rank's peak memory
 as the corpus grows, and the start-up of a launch that finds its token cache.
 
 A corpus of --mb MB is generated from CPython's pydoc topics (paragraphs reshuffled with a

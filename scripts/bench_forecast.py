@@ -1,4 +1,4 @@
-"""What the activation forecast's per-step refit costs (issue 11: it refits every step).
+"""What the activation forecast's per-step refit costs (it refits every step).
 
     python scripts/bench_forecast.py [--steps 300] [--layers 2,24] [--step-reps 20]
 

@@ -1,4 +1,4 @@
-"""The cost of issue 15's logit monitors and per-block statistics, measured inside one run.
+"""The cost of the logit monitors and per-block statistics, measured inside one run.
 
 One training run per config, every default monitor and rollback snapshots on throughout; the
 new parts are switched off and on every BLOCK steps in ABBA order (on, off, off, on, ...),
@@ -55,7 +55,7 @@ class LogitToggle(Toggle):
         probe, reset = sc.probe, sc.probe.reset
 
         def gated_reset(detailed=True, device=None, logged=None):
-            if not self.state:  # before issue 15: the bound on log steps, nothing else
+            if not self.state:  # as before them: the bound on log steps, nothing else
                 logged = detailed if logged is None else logged
                 return reset(detailed=logged, device=device, logged=False)
             return reset(detailed=detailed, device=device, logged=logged)
@@ -117,7 +117,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_logits-") as tmp:
         results = [bench(n, args, Path(tmp)) for n in names]
     print(
-        f"\nissue 15's logit monitors + per-block statistics, toggled ABBA every {BLOCK} steps "
+        f"\nthe logit monitors + per-block statistics, toggled ABBA every {BLOCK} steps "
         f"in one run ({args.precision}, load average {args.load:.1f}, then {load_average():.1f})"
     )
     rows = []

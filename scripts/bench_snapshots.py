@@ -1,4 +1,4 @@
-"""The snapshot ring under DDP (issue 13, item 4): host bytes per rank and snapshot cost.
+"""The snapshot ring under DDP: host bytes per rank and snapshot cost.
 
     python scripts/bench_snapshots.py [--model 125m] [--steps 20] [--worlds 1,2]
 

@@ -6,7 +6,7 @@ Each repeat runs, one after the other in fresh processes, ``stabilize-train --he
 ``stabilize-train norm.type=groupnorm`` (a config error: exit 2) and a 1-step run of the
 tiny GPT (``trainer.max_steps=1``, W&B off, no validation), and times each from the
 process's start to its exit. Prints the median (min to max) of each and the ratios of the
-medians to the 1-step run's (issue 16, item 4: ``--help`` under 1/5 of it). The executable
+medians to the 1-step run's (the target: ``--help`` under 1/5 of it). The executable
 is the ``stabilize-train`` beside this Python (a venv's), else ``python -m stabilize.train``.
 """
 

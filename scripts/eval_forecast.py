@@ -1,4 +1,4 @@
-"""Score the activation monitor's forecast on a labelled set of real tiny runs (issue 11).
+"""Score the activation monitor's forecast on a labelled set of real tiny runs.
 
     python scripts/eval_forecast.py [--quick] [--save runs.json | --load runs.json]
                                     [--horizon N] [--set monitor.activation.KEY=VALUE ...]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU acceptance check (issue 13, item 8), for the day a GPU is there; the suite never needs it.
+# GPU acceptance check, for the day a GPU is there; the suite never needs it.
 #
 #   scripts/gpu_check.sh                    the whole check, under 8 minutes on one GPU
 #   scripts/gpu_check.sh --print-overrides  the training overrides, one a line (no GPU)

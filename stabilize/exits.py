@@ -2,7 +2,7 @@
 
 Every entry point (``stabilize-train``, ``stabilize-plan``, ``stabilize-report``,
 scripts/launch.sh, sweep.sh, repro_nan.sh) uses the same codes, so automation can tell a
-run that stopped on purpose from one that crashed (issue 12, items 7 and 8):
+run that stopped on purpose from one that crashed:
 
 - 0 ``done``
 - 2 ``config error``: a setting, a data file or a resume path was refused before anything

@@ -1,7 +1,7 @@
 """torchrun whose exit code says what happened: ``python -m stabilize.launch [torchrun args]``.
 
 torchrun exits 1 with a ChildFailedError traceback whatever its ranks exited with, so a
-stability abort (3) and a config error (2) looked like any crash (issue 12, item 7). This
+stability abort (3) and a config error (2) looked like any crash. This
 runs torchrun's own ``main`` and, when a rank fails, exits with the code that says why
 (``stabilize/exits.py``), printing one line instead of the traceback:
 

@@ -2,9 +2,9 @@
 
 Rule of the house: an invalid setting fails with the key, the value and what is allowed,
 as a ``ConfigError`` (a ``ValueError``), so that the CLIs can print it on one line with exit
-code 2 while a genuine bug's ``ValueError`` still gets its traceback (issue 12, item 8).
+code 2 while a genuine bug's ``ValueError`` still gets its traceback.
 
-Every float setting is finite (issue 12, item 6: ``norm.eps=inf`` trained to the uniform
+Every float setting is finite (``norm.eps=inf`` trained to the uniform
 loss, ``optim.lr=inf`` ended in a stability abort): the helpers below reject inf and NaN,
 and ``build_dataclass`` checks every float field of the config it builds, nested ones too,
 unless the field is marked ``metadata=ALLOW_NONFINITE``.

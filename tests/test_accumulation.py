@@ -1,4 +1,4 @@
-"""Gradient accumulation with monitors and rollback (issue 13, item 1), through a real
+"""Gradient accumulation with monitors and rollback, through a real
 Lightning Trainer on CPU (tiny model) and a real torchrun launch."""
 
 from __future__ import annotations

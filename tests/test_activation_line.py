@@ -1,4 +1,4 @@
-"""The 256 line follows the run's precision and reduction dtype (issue 16, item 7).
+"""The 256 line follows the run's precision and reduction dtype.
 
 256 is a danger only where an fp16 square is taken (256^2 > 65504): a real tiny run whose
 block 0 drifts past 256 on CROSS warns there with an fp16-mixed + fp16 reduction, and logs
@@ -89,7 +89,7 @@ def test_auto_resolves_from_precision_and_reduction(precision, reduction, line, 
 def test_fp16_activations_with_a_wide_reduction_name_the_cast_line():
     """fp16-mixed with an fp32 reduction: the norm is safe, the cast to fp16 at 65504 is the
     line that matters; the INFO says so. ``off`` and ``info`` say nothing of a forecast: no
-    16-bit reduction can overflow there (issue 11), so the forecast does not even run."""
+    16-bit reduction can overflow there, so the forecast does not even run."""
     c = resolve_line(ActivationConfig(), "fp16-mixed", "fp32")
     mon = ActivationMonitor.from_config("activation", c)
     (e,) = mon.update(StepStats(step=1, loss=1.0, act_max={"h.0": 300.0}))

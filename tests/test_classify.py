@@ -1,4 +1,4 @@
-"""Re-run classification, replica fingerprints and backward localization (issue 15).
+"""Re-run classification, replica fingerprints and backward localization.
 
 The 2-rank cases (each class on rank 1 of 2, the bitflip named by the replica check) are
 in tests/test_stability.py's torchrun test, next to the other faults on two ranks.

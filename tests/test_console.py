@@ -22,7 +22,7 @@ OURS = re.compile(
     r"validation @ step \d+  |\[stability\] |done: \d+ steps \(|  rollback \d+ at step |"
     r"ended with: |W&B offline run: |run dir: )"
 )
-# Third-party lines seen in every run before (issue 16, item 2)
+# Third-party lines seen in every run before
 NOISE = [
     "GPU available",
     "TPU available",

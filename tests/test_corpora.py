@@ -1,4 +1,4 @@
-"""Real corpora (issue 14): tokenizers by name, trained and by path, the token cache shared by
+"""Real corpora: tokenizers by name, trained and by path, the token cache shared by
 ranks and launches, the corpus's own validation split, exact bits per byte, bad input.
 
 Everything runs offline on real files in tmp_path: HF ``tokenizers`` trains the BPE, HF
@@ -60,6 +60,7 @@ def build_lines(caplog):
 
 
 # ---- the shared cache under torchrun ---------------------------------------------------------
+@pytest.mark.slow  # ~40 s: two torchrun launches; one-rank BPE and two-rank runs stay in the suite
 def test_two_ranks_train_bpe_through_one_cache_built_once_and_resume_exactly(tmp_path, corpus_txt):
     cache = tmp_path / "cache"
     common = [

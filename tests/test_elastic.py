@@ -1,7 +1,6 @@
 """Elastic restarts, for real: ``scripts/launch.sh --max-restarts 1`` with one of 2 torchrun
 ranks SIGKILLed mid-run. torchrun restarts the group; it resumes from the newest intact
-checkpoint by itself (no ``resume=auto`` typed) and its losses match an uninterrupted run's
-(issue 22, item 5)."""
+checkpoint by itself (no ``resume=auto`` typed) and its losses match an uninterrupted run's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""More bad inputs end on one line (issue 22, item 7): a full disk at a checkpoint write
+"""More bad inputs end on one line: a full disk at a checkpoint write
 (exit 1, the file named), a corpus in another encoding, a GPU that is not there, online W&B
 without a key, a hub dataset offline, a run name that leaves runs/, a resume typo found
 before the corpus is tokenized, Hydra's unknown keys without its '+' advice, and run names

@@ -1,4 +1,4 @@
-"""The end-of-run score on the whole held-out split (issue 11, item 4), checked against a
+"""The end-of-run score on the whole held-out split, checked against a
 float64 forward of the saved weights over every held-out block, cut by hand."""
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ def test_final_eval_off_and_bounded(tmp_path):
     run(compose_run(tmp_path / "two", [*FAST, "logger=none", "trainer.final_eval_batches=2"]))
     score = json.loads((tmp_path / "two" / "final_eval.json").read_text())
     assert score["batches"] == 2 and score["tokens"] == 2 * 4 * 64  # batch 4, block 64
+    # the token bound (trainer.final_eval_tokens): whole batches up to it, 3 x 256 tokens
+    run(compose_run(tmp_path / "tok", [*FAST, "logger=none", "trainer.final_eval_tokens=1000"]))
+    score = json.loads((tmp_path / "tok" / "final_eval.json").read_text())
+    assert score["batches"] == 3 and score["tokens"] == 3 * 4 * 64 and not score["whole"]
 
 
 def test_final_loss_is_the_mean_of_the_last_steps_with_replays_counted_once():

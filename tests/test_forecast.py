@@ -1,4 +1,4 @@
-"""The activation forecast (issue 11, item 1) on synthetic per-step series whose crossings are
+"""The activation forecast on synthetic per-step series whose crossings are
 computed in float64 here, its silence where no 16-bit reduction can overflow, and its scores."""
 
 from __future__ import annotations

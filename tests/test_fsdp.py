@@ -1,4 +1,4 @@
-"""FSDP2 on CPU (issue 13, item 3): ``trainer.strategy=fsdp`` shards every block with
+"""FSDP2 on CPU: ``trainer.strategy=fsdp`` shards every block with
 ``fully_shard`` over gloo; each rank snapshots its shard, durable snapshots and checkpoints
 are torch.distributed.checkpoint directories that load at another world size."""
 

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh without a GPU (issue 13, item 8): its bash parses, every training
+"""scripts/gpu_check.sh without a GPU: its bash parses, every training
 override it passes composes with Hydra into a RunConfig, and its Python snippets compile,
 import names that exist and (the norm one) run on CPU."""
 

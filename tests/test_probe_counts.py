@@ -1,4 +1,4 @@
-"""Honest counts and per-step metrics (issue 11, items 2 and 3).
+"""Honest counts and per-step metrics.
 
 - The probe tells a *dead* row (its 16-bit statistic overflowed while its input was finite
   in the reduction dtype: the output is exactly 0) from a *NaN-producing* row (its input is
@@ -23,6 +23,7 @@ from stabilize.lit.probe import StabilityProbe
 from stabilize.model import GPT, GPTConfig
 from stabilize.norms import Norm, get_norm_type
 from stabilize.report import load_run_dir
+from stabilize.report.summary import summarize
 from stabilize.train import run
 
 from conftest import FAST, compose_run, read_csv_metrics
@@ -182,6 +183,18 @@ def test_on_the_nan_step_the_probe_counts_match_hooks_on_the_norm_inputs(tmp_pat
     over = [e for e in evs if e["monitor"] == "overflow" and e["step"] == nan_step]
     assert over and sum(e["extra"]["nan_rows"] for e in over) > 0
     assert "output NaN" in over[0]["message"]
+    # every row that went NaN, on every step, is in the events and the report's sum: also
+    # those of steps (and norms) where no row overflowed beside them
+    ref_total = 0
+    for xs_by_norm in hooks.by_step.values():
+        for xs in xs_by_norm.values():
+            x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
+            # not finite once cast to the fp16 reduction (|x| >= 65520, inf, NaN): NaN out
+            ref_total += int((~torch.isfinite(x.half())).any(-1).sum())
+    counted = [e for e in evs if e["monitor"] in ("overflow", "nan_rows")]
+    assert any(e["monitor"] == "nan_rows" for e in counted)  # NaN rows with no overflow
+    assert sum(e["extra"]["nan_rows"] for e in counted) == ref_total
+    assert summarize(load_run_dir(tmp_path)).nan_rows == ref_total  # the report's NaN rows
 
 
 # ---- per-step metrics -----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The seed's recipe (issue 13, item 2): nan_at_12000's 4M-token step, composed with Hydra
+"""The seed's recipe: nan_at_12000's 4M-token step, composed with Hydra
 and run shrunk on CPU, and the activation checkpointing it relies on."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def test_nan_at_12000_is_the_seeds_4m_token_step_on_one_node_and_on_two(tmp_path
     assert tokens_per_step(cfg, world_size=8) == 4_194_304
     assert cfg.trainer.activation_checkpointing
     two = compose_run(tmp_path, ["experiment=nan_at_12000", "optim.accumulate_grad_batches=8"])
-    assert tokens_per_step(two, world_size=16) == 4_194_304  # the README's 2-node line
+    assert tokens_per_step(two, world_size=16) == 4_194_304  # docs/guide.md's 2-node line
 
 
 def test_nan_at_12000_runs_shrunk_with_accumulation_checkpointing_and_rollback(tmp_path):
@@ -101,5 +101,33 @@ def test_activation_checkpointing_changes_no_number_the_monitors_or_the_optimize
         torch.testing.assert_close(ckpt[1][name], g, rtol=0, atol=0, equal_nan=True)
     counts = probe.vector("cpu")[1]
     assert counts.sum() > 0  # rows overflowed: the counts are there to be doubled
+    torch.testing.assert_close(ckpt[2], plain[2], rtol=0, atol=0, equal_nan=True)
+    probe.remove()
+
+
+def test_the_attention_hooks_run_once_per_micro_batch_under_checkpointing(monkeypatch):
+    """The q/k hooks inside a Block (attention bound, head entropy) are not run again by the
+    recompute: as many measurements with checkpointing as without, the same numbers."""
+    import stabilize.lit.probe as probe_mod
+
+    calls = [0]
+    real = probe_mod.sampled_queries
+
+    def counted(q):
+        calls[0] += 1
+        return real(q)
+
+    monkeypatch.setattr(probe_mod, "sampled_queries", counted)
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("tiny", dropout=0.0)
+    model = GPT(cfg).train()
+    probe = StabilityProbe(model)
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    plain = _step(model, idx, probe, seed=5)
+    plain_calls, calls[0] = calls[0], 0
+    model.zero_grad(set_to_none=True)
+    set_activation_checkpointing(model, True)
+    ckpt = _step(model, idx, probe, seed=5)
+    assert plain_calls == cfg.n_layer and calls[0] == plain_calls
     torch.testing.assert_close(ckpt[2], plain[2], rtol=0, atol=0, equal_nan=True)
     probe.remove()

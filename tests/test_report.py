@@ -1,4 +1,4 @@
-"""The report reads at a glance (issue 16): one step axis (the model's), a legend entry for
+"""The report reads at a glance: one step axis (the model's), a legend entry for
 every band and marker, the drifting layer in view, no curve in a threshold's colour, the
 whole chain of events, arms named by what differs, and sweep.sh's members.
 

@@ -1,4 +1,4 @@
-"""Bounded disk (issue 13, item 5): durable snapshots and periodic checkpoints are kept by
+"""Bounded disk: durable snapshots and periodic checkpoints are kept by
 count, so a long run's disk use does not grow with its length."""
 
 from __future__ import annotations

@@ -268,7 +268,7 @@ def test_repro_nan_script_with_two_torchrun_ranks(tmp_path):
     r = run_cli([*args, str(out), "--", *short, "data.batch_size=4"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"report: {out}/report.md" in r.stderr
-    # each arm's progress streamed as it ran, prefixed with the arm (issue 16, item 3)
+    # each arm's progress streamed as it ran, prefixed with the arm
     for arm in ("baseline", "remedy"):
         assert f"    {arm} | step 40/40  " in r.stderr, r.stderr[-3000:]
         assert f"    {arm} | done: 40 steps (40 asked" in r.stderr

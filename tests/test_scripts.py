@@ -46,6 +46,7 @@ def test_bench_norms_smoke(tmp_path):
     assert md.read_text().count("\n|") >= 10
 
 
+@pytest.mark.slow  # ~13 s: the benchmark's own run; its harness is tested in test_benchstats
 def test_bench_step_smoke(tmp_path):
     r = run_cli(
         [
@@ -68,6 +69,7 @@ def test_bench_step_smoke(tmp_path):
     assert "| tiny |" in r.stdout and "lightning" in r.stdout.lower()
 
 
+@pytest.mark.slow  # ~20 s: the benchmark's own run; its harness is tested in test_benchstats
 def test_bench_monitors_smoke(tmp_path):
     r = run_cli(
         [

@@ -1,4 +1,4 @@
-"""DDP snapshots that fit a node (issue 13, item 4): each rank keeps 1/world of the
+"""DDP snapshots that fit a node: each rank keeps 1/world of the
 flattened state; a restore rebuilds the whole with one all-gather (real torchrun, gloo)."""
 
 from __future__ import annotations

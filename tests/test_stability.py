@@ -295,12 +295,13 @@ BITFLIP = ["fault=bitflip", "fault.param=h.1.mlp.c_fc.weight"]
         (["fault=poisoned_batch", "fault.batch=5"], "nonfinite", 6, "data", None),
         # an exponent bit of rank 1's reduced gradient (1e-3 -> 2^118: its square overflows
         # rank 1's grad norm), rank 1's alone
-        (
+        pytest.param(  # ~14 s; the same class and monitor as nan_loss's case
             [*BITFLIP, "fault.flip=grad", "fault.bit=30", "fault.step=10"],
             "nonfinite",
             10,
             "transient",
             [1],
+            marks=pytest.mark.slow,
         ),
         # a mantissa bit of rank 1's weight: silent but for the replica check (every 4
         # steps: the flip at step 5 is named at step 8, within N)

@@ -1,4 +1,4 @@
-"""``stabilize-train --help`` and config errors load no training stack (issue 16, item 4).
+"""``stabilize-train --help`` and config errors load no training stack.
 
 Each case runs the console script's ``main`` in a fresh interpreter and lists the modules it
 had imported when it exited: Hydra's app must not pull in Lightning (nor, for ``--help`` and

@@ -1,4 +1,4 @@
-"""Two "nodes" on one machine (issue 13, item 7): scripts/launch.sh --nnodes 2 run twice on
+"""Two "nodes" on one machine: scripts/launch.sh --nnodes 2 run twice on
 localhost, meeting through a c10d rendezvous under one --run-id, share one run dir and roll
 back together when a NaN hits only the second node's rank."""
 

@@ -1,7 +1,7 @@
 """A hung rank, for real: SIGSTOP one of 2 torchrun ranks (gloo, CPU). The other names it
 (pid, host, last step) within the timeout, dumps its own stacks, writes result.json
 ``hung``, and the launch exits 5, instead of waiting out the 30-minute collective timeout
-in silence (issue 22, item 3)."""
+in silence."""
 
 from __future__ import annotations
 
@@ -70,3 +70,16 @@ def test_a_stopped_rank_is_named_within_the_timeout_and_the_launch_exits_5(tmp_p
     except ProcessLookupError:
         gone = True
     assert gone
+
+
+def test_a_straggler_is_named_once_every_rank_has_its_figure():
+    """By hand: own time 0.10 and 0.15 s a step over 20 steps, median 0.125 s: rank 1 is
+    1.2x the median rank, rank 0 0.8x; nothing is said before 20 steps or when even."""
+    from stabilize.lit.watchdog import straggler_line
+
+    beats = {0: {"own_s": 2.0, "steps": 20}, 1: {"own_s": 3.0, "steps": 20}}
+    line = straggler_line(beats)
+    assert line.startswith("[watchdog] straggler: rank 1 150.0 ms (1.20x)") and "rank 0" not in line
+    assert "median rank's 125.0 ms" in line
+    assert straggler_line({0: {"own_s": 2.0, "steps": 20}, 1: {"own_s": 3.0, "steps": 19}}) is None
+    assert straggler_line({0: {"own_s": 2.0, "steps": 20}, 1: {"own_s": 2.2, "steps": 20}}) is None

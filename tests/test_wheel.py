@@ -1,4 +1,4 @@
-"""Installable anywhere (issue 10): the wheel carries Hydra's configs, and ``stabilize-train``
+"""Installable anywhere: the wheel carries Hydra's configs, and ``stabilize-train``
 from a wheel installed into a fresh venv runs ``--help`` and two training steps from a
 directory outside the repo, with no repo file in reach.
 

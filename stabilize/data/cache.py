@@ -1,6 +1,6 @@
 """The token cache: a corpus tokenized once into files on disk, shared by every rank, every
 launch, every resume and every sweep member that reads the same corpus with the same
-tokenizer (issue 14; the layout is in docs/data.md).
+tokenizer (the layout is in docs/data.md).
 
 One directory per fingerprint under ``<cache_dir>/tokens/``: ``meta.json`` (sizes, dtype,
 checksums, what went into the fingerprint), ``train.bin``, ``val.bin`` when the corpus has

@@ -16,6 +16,7 @@ from typing import Any
 
 import datasets
 
+from stabilize.compat import dataset_fingerprint
 from stabilize.data.config import SUFFIX_BUILDERS, DataConfig
 from stabilize.validate import ConfigError, check_choice
 
@@ -211,7 +212,7 @@ def _file_ids(paths: list[str]) -> list[list[Any]]:
 def _hub_id(ds: datasets.Dataset) -> str:
     # datasets' own fingerprint of the prepared split (its builder config and data files);
     # it is what datasets itself keys its cache by.
-    return ds._fingerprint
+    return dataset_fingerprint(ds)
 
 
 def corpus_identity(cfg: DataConfig) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The step-indexed sample order: the batch of every micro-step is a pure function of
 (seed, step).
 
-Why: rollback (issue 4) rewinds to a snapshot and may skip the data that caused a fault, and a
+Why: rollback rewinds to a snapshot and may skip the data that caused a fault, and a
 restart must resume mid-epoch. Both are exact when the order needs no state, so no sampler
 state has to be checkpointed. No Lightning or torch.distributed: rank and world_size are
 passed in by the caller.

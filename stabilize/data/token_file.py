@@ -2,7 +2,7 @@
 memory-mapped 1-D array.
 
 Why a memory map: every rank of a node maps the same file, so the tokens sit once in the
-page cache, shared, and a rank's own memory does not grow with the corpus (issue 14). The
+page cache, shared, and a rank's own memory does not grow with the corpus. The
 array pickles as its path and range, so DataLoader workers map the file too rather than
 receiving a copy.
 """

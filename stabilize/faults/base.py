@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from stabilize.compat import fsdp_gathered_params
 from stabilize.faults.config import FAULTS, FaultConfig
 
 
@@ -159,18 +160,11 @@ def grad_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     Unsharded, the parameters themselves. Under FSDP2 (``fully_shard``) a parameter is a
     DTensor shard that is not in the autograd graph: the forward runs on a gathered copy
     (one ``nn.Parameter`` per parameter, kept across steps, its storage freed between uses),
-    and a hook on the shard never fires (a fault armed there was a silent no-op, issue 13).
+    and a hook on the shard never fires (a fault armed there was a silent no-op).
     The gathered copies are returned instead; the reduce-scatter after the backward then
     carries a hooked change to whichever rank owns each element."""
-    from torch.distributed.fsdp import FSDPModule  # only a sharded model has these
-
     targets = dict(model.named_parameters())
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
-                for fp in group.fsdp_params:
-                    if hasattr(fp, "_unsharded_param"):  # gathered once: a forward ran
-                        targets[fp._param_fqn] = fp.unsharded_param
+    targets.update(fsdp_gathered_params(model))
     return targets
 
 

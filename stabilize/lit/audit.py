@@ -31,6 +31,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from stabilize.compat import batches_that_stepped
 from stabilize.lit.config import AuditConfig
 from stabilize.lit.fsdp import is_sharded
 from stabilize.norms import Norm, get_norm_type
@@ -169,7 +170,7 @@ class NormAudit(L.Callback):
         with open(self.path, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
         metrics = {f"audit/{k}": v for k, v in summary.items() if math.isfinite(v)}
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        step = batches_that_stepped(trainer)
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=step)
         return record

@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
+from stabilize.compat import wandb_init_kwargs
 from stabilize.lit.audit import NormAudit
 from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
@@ -118,7 +119,7 @@ def build_loggers(cfg: LoggerConfig, run: RunConfig) -> list[Logger]:
         )
         # Lightning passes anonymous=None, which wandb (0.2x on) warns about in every run
         # ("has no effect"): the setting is gone, so is the warning
-        wandb_logger._wandb_init.pop("anonymous", None)
+        wandb_init_kwargs(wandb_logger).pop("anonymous", None)
         loggers.append(wandb_logger)
     return loggers
 

@@ -64,7 +64,7 @@ class PeriodicCheckpoint(Checkpoint):
     files are kept (-1: all).
 
     Names use ``model_step`` (it rewinds on rollback), not Lightning's ``global_step`` (it
-    never does), so ``step-000040.ckpt`` holds model step 40 (issue 12, item 10). A rollback
+    never does), so ``step-000040.ckpt`` holds model step 40. A rollback
     replays steps: the replayed step's checkpoint overwrites the earlier one of the same
     name (atomically, ``atomic_torch_save``), because the replay is the trajectory the run
     goes on with.
@@ -72,7 +72,7 @@ class PeriodicCheckpoint(Checkpoint):
     This owns its file names instead of subclassing ``ModelCheckpoint``: that one keeps
     ``last_model_path`` in its state and forgets it when the checkpoint directory moves (a
     moved or copied run dir), after which its version counter writes ``last-v1.ckpt`` beside
-    the ``last.ckpt`` that resume reads (issue 12, item 1). Here the names are fixed and
+    the ``last.ckpt`` that resume reads. Here the names are fixed and
     nothing about paths is stored. Being a ``Checkpoint``, Lightning runs it after every
     other callback, so a step that ends in a rollback is saved as restored.
     """

@@ -97,6 +97,7 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     # after training, score the whole held-out split (None), its first N batches, or not (0)
     final_eval_batches: int | None = None
+    final_eval_tokens: int | None = 20_000_000  # ... at most this many tokens (None: no bound)
     # signals that mean "preempted": finish the step, checkpoint, exit 4 (lit/preempt.py)
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
     # a rank with no progress for this long is named and the launch ends with exit 5
@@ -112,6 +113,8 @@ class TrainerConfig:
             check_choice(f"trainer.preempt_signals[{i}]", name, PREEMPT_SIGNALS)
         if self.final_eval_batches is not None:
             check_count("trainer.final_eval_batches", self.final_eval_batches)
+        if self.final_eval_tokens is not None:
+            check_positive("trainer.final_eval_tokens", self.final_eval_tokens, integer=True)
         for key in ("max_steps", "log_every_n_steps", "val_check_interval", "num_nodes"):
             check_positive(f"trainer.{key}", getattr(self, key), integer=True)
         check_count("trainer.limit_val_batches", self.limit_val_batches)
@@ -211,7 +214,7 @@ class RunConfig:
         self.fault = fault_config(self.fault)
         # one section per registered monitor (stabilize/monitors/registry.py), not a dataclass
         self.monitor = MonitorConfig.build(self.monitor, "monitor")
-        # the |x| line follows the run's precision and reduction (issue 16, item 7)
+        # the |x| line follows the run's precision and reduction
         if "activation" in self.monitor.sections:
             act = self.monitor.sections["activation"]
             red = self.model.norm.reduction_dtype
@@ -241,7 +244,7 @@ class RunConfig:
         self._check_vocab()
 
     def _check_fault_fires(self) -> None:
-        """A fault drill that cannot fire is refused, not silently skipped (issue 12, item 5):
+        """A fault drill that cannot fire is refused, not silently skipped:
         its step must be one the run reaches. (The rank is checked against the world size
         at start-up, ``lit/preflight.py``; the parameter against the model's names there.)"""
         armed = self.fault.enabled and self.fault.kind != "none"
@@ -259,8 +262,8 @@ class RunConfig:
 
     def _check_vocab(self) -> None:
         """Every token id must be an embedding row (else an IndexError at the first forward).
-        ``model.vocab_size`` left at its preset's value follows ``data.tokenizer`` (issue 14,
-        ``stabilize.data.follow_vocab``); otherwise it must hold the tokenizer's ids, refused
+        ``model.vocab_size`` left at its preset's value follows ``data.tokenizer``
+        (``stabilize.data.follow_vocab``); otherwise it must hold the tokenizer's ids, refused
         here, before anything is written, naming both numbers (``check_vocab``)."""
         tok_vocab = choose_tokenizer(self.data).vocab_size
         preset = PRESETS.get(self.model.name, {}).get("vocab_size", GPTConfig.vocab_size)

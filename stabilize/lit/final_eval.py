@@ -1,9 +1,11 @@
-"""The end-of-run score on the whole held-out split (issue 11, item 4).
+"""The end-of-run score on the whole held-out split.
 
 Periodic validation reads ``trainer.limit_val_batches`` batches: cheap, but on the scenario's
 corpus 4 batches are 2,048 bytes, most of them one ASCII table, and two arms' order can flip
 on the whole split. After training, every rank scores its share of *all* the held-out blocks
-(``trainer.final_eval_batches``: null = all, N = the first N batches, 0 = off), in the run's
+(``trainer.final_eval_batches``: null = all, N = the first N batches, 0 = off; at most
+``trainer.final_eval_tokens`` tokens either way, so a 10B-token corpus's 5% split is not
+scored for half an hour after the last step), in the run's
 own precision (the numbers the run would give a user), summing nats, tokens and the UTF-8
 bytes behind the targets; the sums are reduced over ranks and written to
 ``final_eval.json``: loss per token and bits per byte, with the counts they came from.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,9 @@ from stabilize.lit.fsdp import is_sharded
 FILE = "final_eval.json"
 
 
-def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any] | None:
+def held_out_score(
+    module, trainer, max_batches: int | None, max_tokens: int | None = None
+) -> dict[str, Any] | None:
     """Score ``module.model`` on the held-out blocks; every rank must call this. None when
     nothing is held out (``data.val_fraction=0`` and no validation split)."""
     cfg = module.cfg
@@ -37,6 +42,8 @@ def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any] |
     b = cfg.data.batch_size
     n_all = math.ceil(len(blocks) / b)
     n = n_all if max_batches is None else min(n_all, max_batches)
+    if max_tokens is not None:  # the bound at scale: whole batches up to max_tokens
+        n = min(n, max(1, max_tokens // (b * cfg.model.block_size)))
     if n == 0:
         return None
     # the same number of forwards on every rank (a sharded model gathers in each); a rank's
@@ -50,9 +57,15 @@ def held_out_score(module, trainer, max_batches: int | None) -> dict[str, Any] |
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
     token_bytes = blocks.token_bytes
+    every = max(1, per_rank // 10) if per_rank >= 50 else 0  # a line per ~10% on long ones
+    t0 = time.perf_counter()
     try:
         with torch.no_grad(), trainer.precision_plugin.forward_context():
             for k in range(per_rank):
+                if every and k and k % every == 0 and rank == 0:
+                    rate = k / (time.perf_counter() - t0)
+                    print(f"final eval: {k}/{per_rank} batches a rank, "
+                          f"eta {(per_rank - k) / rate:.0f} s", flush=True)  # fmt: skip
                 i = rank + k * world
                 idx = range(i * b, min(i * b + b, len(blocks))) if i < n else range(1)
                 x, y = (

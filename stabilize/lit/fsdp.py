@@ -1,5 +1,5 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) through Lightning's ModelParallelStrategy,
-on CPU (gloo) as on CUDA (issue 13, item 3).
+on CPU (gloo) as on CUDA.
 
 ``trainer.strategy=fsdp`` builds a ``ModelParallelStrategy`` with every process on the
 data-parallel axis of the device mesh (no tensor parallelism); the module's

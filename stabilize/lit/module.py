@@ -27,6 +27,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from stabilize.compat import scaler_scale, uncount_batch
 from stabilize.data import bits_per_byte, build_dataloaders
 from stabilize.lit.config import OptimConfig, RunConfig
 from stabilize.lit.fsdp import full_norm, shard_model
@@ -198,12 +199,7 @@ class GPTLitModule(L.LightningModule):
         ``batch_idx % accumulate_grad_batches`` test (when to zero the gradients) count only
         batches trained on. Run before the next batch is counted: by then the stale one has
         been through every stage (ready, started, processed, completed)."""
-        progress = self.trainer.fit_loop.epoch_loop.batch_progress
-        for tracker in (progress.current, progress.total):
-            tracker.ready -= 1
-            tracker.started -= 1
-            tracker.processed -= 1
-            tracker.completed -= 1
+        uncount_batch(self.trainer)
 
     def on_before_batch_transfer(self, batch, dataloader_idx):
         if self.trainer.training and len(batch) == 3:
@@ -290,7 +286,7 @@ class GPTLitModule(L.LightningModule):
         loss = self.loss(batch, z_loss=False)
         self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
         # Bits per byte for any tokenizer: nats summed over the targets, over the UTF-8 bytes
-        # of text behind them (issue 14), both summed over batches and ranks before dividing.
+        # of text behind them, both summed over batches and ranks before dividing.
         y = batch[1]
         nbytes = self._loader_cache[1][1].dataset.token_bytes
         nbytes = y.numel() if nbytes is None else nbytes.to(y.device)[y].sum()
@@ -375,7 +371,7 @@ class GPTLitModule(L.LightningModule):
             stats["train/grad_norm"] = self.grad_norm
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
         if scaler is not None and getattr(scaler, "_scale", None) is not None:
-            stats["train/loss_scale"] = scaler._scale.float().reshape(())
+            stats["train/loss_scale"] = scaler_scale(scaler).float().reshape(())
         self.log_dict(stats, on_step=True, on_epoch=False)
 
     def configure_optimizers(self):

@@ -1,4 +1,4 @@
-"""Statistics the probe takes on logged steps only (issue 15, items 4 and 5): the lowest
+"""Statistics the probe takes on logged steps only: the lowest
 attention-head entropy, and per block the gradient norm and the update/weight ratio.
 
 Both stay on the device (the step's one gather moves them to the host with everything else).

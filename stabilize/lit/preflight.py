@@ -1,5 +1,5 @@
 """Start-up checks: every setting that needs more than the config itself, checked before
-anything is written (issue 12, items 5 and 8).
+anything is written.
 
 ``RunConfig`` checks each value and the cross-field rules on construction; what it cannot
 know is checked here, at the top of ``train.run`` (before the run dir is made):
@@ -166,7 +166,7 @@ def check_data(cfg: RunConfig, world: int) -> None:
                 "files with at least one document"
             )
     with config_errors(), _quiet_datasets():
-        # Through the token cache (issue 14): built here, once per node, mapped; the run's
+        # Through the token cache: built here, once per node, mapped; the run's
         # own loaders then find it. The ids were checked against the model by RunConfig.
         build_dataloaders(
             cfg.data,

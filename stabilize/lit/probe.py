@@ -40,6 +40,7 @@ from stabilize.lit.param_stats import (
     sampled_queries,
 )
 from stabilize.model.logits import log_z
+from stabilize.model.recompute import recomputing
 from stabilize.norms import Norm, get_norm_type
 
 
@@ -64,7 +65,7 @@ class StabilityProbe:
         self._o_block, self._o_attn = o, o + nb
         self._o_norm, self._o_rms = o + nb + na, o + nb + na + nn_
         o += nb + na + 2 * nn_
-        # issue 15: minus each block's lowest head entropy (a max slot: max folds to the
+        # minus each block's lowest head entropy (a max slot: max folds to the
         # minimum), the output log Z max, per-group gradient norm and update/weight ratio
         self._o_ent, self._o_lz, self._o_gn, self._o_upd = o, o + na, o + na + 1, o + na + 1 + ng
         o += na + 1 + 2 * ng
@@ -149,7 +150,7 @@ class StabilityProbe:
 
     def _q_hook(self, i):
         def hook(module, args, out):  # out: [B, H, T, hd]
-            if module.training:
+            if module.training and not recomputing():  # measured once, not again in backward
                 with torch.no_grad():
                     if self.detailed:
                         self._q[i] = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))
@@ -160,7 +161,7 @@ class StabilityProbe:
 
     def _k_hook(self, i):
         def hook(module, args, out):
-            if not module.training or self.buf is None:
+            if not module.training or self.buf is None or recomputing():
                 return
             with torch.no_grad():
                 if self._q[i] is not None:
@@ -209,7 +210,7 @@ class StabilityProbe:
         reduction dtype: inf exactly where the reduction overflowed).
 
         Three row counts, read in the reduction dtype (``ms.dtype``), where the norm computes
-        (backends.py casts x to it first), not in the dtype x arrives in (issue 11):
+        (backends.py casts x to it first), not in the dtype x arrives in:
 
         - *overflowed*: the statistic is inf;
         - *NaN-producing*: the input is not finite once cast to the reduction dtype (NaN, inf,

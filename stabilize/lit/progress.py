@@ -1,4 +1,4 @@
-"""Progress a person reads (issue 16, item 3): one counter everywhere, the model's step.
+"""Progress a person reads: one counter everywhere, the model's step.
 
 - ``PlainProgress`` (logs, CI, ``trainer.progress=plain``; ``auto`` off a terminal): one line
   per log step: ``step 44/50  loss 3.30  grad_norm 0.81  lr 1.0e-03  scale 65536

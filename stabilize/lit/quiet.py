@@ -1,4 +1,4 @@
-"""Known third-party noise off the console (issue 16, item 2); ``verbose=true`` shows it.
+"""Known third-party noise off the console; ``verbose=true`` shows it.
 
 A default run prints our lines only: the step lines, the ``[stability]`` lines, the final
 summary. Each pattern below is a message another package prints in every run although it

@@ -1,4 +1,4 @@
-"""A run directory's identity: one run per directory (issue 12).
+"""A run directory's identity: one run per directory.
 
 A launch that would start fresh (``resume=none``) in a directory that already holds a run
 is refused before anything is written, naming the ways on; ``resume=restart`` moves the

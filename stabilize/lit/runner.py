@@ -1,7 +1,7 @@
 """One training run: ``RunConfig`` -> the run dir's files and the final metrics.
 
 ``stabilize/train.py`` (Hydra's app) imports this only when a run starts, so that
-``stabilize-train --help`` and a config error never load Lightning (issue 16, item 4).
+``stabilize-train --help`` and a config error never load Lightning.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import lightning as L
 
+from stabilize.compat import wandb_started
 from stabilize.lit import final_eval
 from stabilize.lit.build import build_trainer, resolve_accelerator
 from stabilize.lit.checkpoint import checkpoint_steps, resolve_resume
@@ -183,7 +184,7 @@ def _score_held_out(cfg: RunConfig, run_dir: Path, module, trainer: L.Trainer) -
     n = cfg.trainer.final_eval_batches
     if n == 0:
         return None
-    score = final_eval.held_out_score(module, trainer, n)
+    score = final_eval.held_out_score(module, trainer, n, cfg.trainer.final_eval_tokens)
     if score is not None and trainer.is_global_zero:
         final_eval.write(run_dir, score)
         metrics = {"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]}
@@ -200,7 +201,7 @@ def _finish_wandb(trainer: L.Trainer) -> str | None:
 
     offline = None
     for lg in trainer.loggers:
-        if isinstance(lg, WandbLogger) and lg._experiment is not None:
+        if isinstance(lg, WandbLogger) and wandb_started(lg):
             exp = lg.experiment
             if exp.settings.mode == "offline" and exp.dir:
                 offline = str(Path(exp.dir).parent)  # .../wandb/offline-run-*/files

@@ -1,4 +1,4 @@
-"""The run's last words on the console (issue 16, item 1): steps taken vs asked, every
+"""The run's last words on the console: steps taken vs asked, every
 rollback (step, the verdict that caused it, the snapshot it went back to, the remedy) and
 the config the run ended with where a remedy changed it; for a run the policy stopped
 (``abort_summary``), the verdict it gave up on, the rollbacks before it, the layers nearest
@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from stabilize.lit.watchdog import STRAGGLER_SHARE
 from stabilize.report.rollbacks import Rollback, rollbacks
 
 SHOWN = ("train/loss", "val/loss", "val/bpb", "final/val_bpb")  # on the done: line
@@ -87,9 +88,6 @@ def final_summary(cfg, result: dict[str, Any], events: list[dict[str, Any]]) -> 
         lines.append(f"W&B offline run: {d} (to upload: wandb sync {d})")
     lines.append(f"run dir: {result['run_dir']}")
     return lines
-
-
-STRAGGLER_SHARE = 1.2  # a rank this much slower than the median rank is named
 
 
 def ranks_line(ranks: list[dict[str, Any]]) -> str:

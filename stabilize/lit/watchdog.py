@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
+import logging
 import os
 import socket
 import statistics
@@ -49,6 +50,7 @@ import torch
 
 from stabilize.exits import EXIT_HUNG
 
+log = logging.getLogger(__name__)
 RANKS_DIR = "ranks"
 MIN_TIMEOUT_S = 60.0
 STEP_FACTOR = 5.0
@@ -86,6 +88,7 @@ class Watchdog(L.Callback):
         self._thread: threading.Thread | None = None
         self._stacks = None
         self.shares: list[dict[str, Any]] | None = None  # per rank, at the end of training
+        self._straggler_said = False
 
     # --- the main thread: marks -------------------------------------------------------
     def _set(self, trainer, phase: str) -> None:
@@ -180,7 +183,8 @@ class Watchdog(L.Callback):
     def _write_beat(self) -> None:
         beat = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "alive": self._alive, "mark": list(self.mark), "model_step": self.model_step,
-                "timeout_s": self.timeout()}  # fmt: skip
+                "timeout_s": self.timeout(), "own_s": self.own_s,
+                "steps": self.own_steps}  # fmt: skip
         # a full disk must not end the run from here; the next beat retries
         with self._lock, contextlib.suppress(OSError):
             _write_json(beat_path(self.run_dir, self.rank), beat)
@@ -204,6 +208,11 @@ class Watchdog(L.Callback):
             now = time.monotonic()
             beats = self._read_beats()
             beats[self.rank] = {**beats.get(self.rank, {}), "mark": list(self.mark)}
+            if self.rank == 0 and not self._straggler_said:
+                line = straggler_line(beats)
+                if line:  # once a run: the summary has the final shares
+                    log.warning(line)
+                    self._straggler_said = True
             for r, b in beats.items():
                 if seen.get(r, (None,))[0] != b.get("alive"):
                     seen[r] = (b.get("alive"), now)
@@ -256,6 +265,26 @@ class Watchdog(L.Callback):
                     os.kill(int(beats[r]["pid"]), 9)
         sys.stdout.flush()
         os._exit(EXIT_HUNG)
+
+
+STRAGGLER_SHARE = 1.2  # a rank this much slower than the median rank is named
+STRAGGLER_STEPS = 20  # ... once every rank has this many steps behind its figure
+
+
+def straggler_line(beats: dict[int, dict]) -> str | None:
+    """The ranks whose own time per step (``own_s / steps`` in their beats) is at least
+    ``STRAGGLER_SHARE`` x the median rank's, as one line; None when there are none yet."""
+    per = {r: b["own_s"] / b["steps"] for r, b in beats.items()
+           if b.get("steps", 0) >= STRAGGLER_STEPS and "own_s" in b}  # fmt: skip
+    if len(per) < 2 or len(per) < len(beats):
+        return None
+    median = statistics.median(per.values()) or 1.0
+    slow = {r: t / median for r, t in per.items() if t / median >= STRAGGLER_SHARE}
+    if not slow:
+        return None
+    cells = ", ".join(f"rank {r} {1e3 * per[r]:.1f} ms ({s:.2f}x)" for r, s in sorted(slow.items()))
+    return (f"[watchdog] straggler: {cells} against the median rank's {1e3 * median:.1f} ms "
+            "of own time per step (batch wait + forward)")  # fmt: skip
 
 
 def _brief(beat: dict) -> dict:

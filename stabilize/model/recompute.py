@@ -15,8 +15,11 @@ The recompute runs every module inside the Block a second time, the norms includ
 norm reports its statistics to a probe (``Norm.stats_sink``) from its training forward:
 the probe's counts (overflowed rows, collapsed rows) would double. During the recompute
 the Block's norms therefore report to no one (``context_fn``'s second context; the
-first, the original forward's, is a no-op). Forward hooks on the Block itself (the probe's
-block maximum, the drift fault) run once: they are outside the checkpointed function.
+first, the original forward's, is a no-op), and ``recomputing()`` is true, so forward
+hooks on modules inside a Block (the probe's attention-bound q/k hooks: ~32 GB of extra
+reads per micro-batch at gpt-1.3b, read from the code) skip the second pass. Forward hooks
+on the Block itself (the probe's block maximum, the drift fault) run once: they are outside
+the checkpointed function.
 """
 
 from __future__ import annotations
@@ -29,17 +32,27 @@ from torch.utils.checkpoint import checkpoint
 
 from stabilize.norms import Norm
 
+_recomputing = [0]  # recomputes in flight (the backward may run them on its own thread)
+
+
+def recomputing() -> bool:
+    """Is a checkpointed Block being recomputed (in the backward) right now?"""
+    return _recomputing[0] > 0
+
 
 @contextmanager
 def norms_silent(module: nn.Module):
-    """The norms inside ``module`` report no statistics while this lasts (the recompute)."""
+    """The norms inside ``module`` report no statistics while this lasts (the recompute),
+    and ``recomputing()`` says so to hooks inside it."""
     norms = [m for m in module.modules() if isinstance(m, Norm)]
     sinks = [m.stats_sink for m in norms]
     for m in norms:
         m.stats_sink = None
+    _recomputing[0] += 1
     try:
         yield
     finally:
+        _recomputing[0] -= 1
         for m, sink in zip(norms, sinks, strict=True):
             m.stats_sink = sink
 

@@ -5,7 +5,7 @@ of when each layer will cross the line.
 overflows. A norm that sums squares in fp16 overflows earlier, when the row RMS passes
 255.94 / sqrt(D); its headroom is reported separately (``sum_headroom``).
 
-The line is a danger only where an fp16 square is taken (issue 16, item 7): an fp16 norm
+The line is a danger only where an fp16 square is taken: an fp16 norm
 reduction, or ``input`` under fp16-mixed. ``monitor.activation.line=auto`` follows the run
 (``resolve_line``, called by the RunConfig): with an fp32/bf16 reduction the crossing and its
 forecast become INFO events that say what the line means there.
@@ -151,7 +151,7 @@ class ActivationMonitor:
         activation_dtype: str = "fp32",
     ):
         """The forecast runs only where the line is a danger (``line=fp16_square``): with an
-        fp32/bf16 reduction nothing can overflow there, and it stays silent (issue 11)."""
+        fp32/bf16 reduction nothing can overflow there, and it stays silent."""
         self.threshold, self.horizon = threshold, horizon
         self.on_overflow = ROLLBACK if on_overflow == "rollback" else WARN
         # the crossing's severity and wording follow the run (resolve_line)
@@ -189,10 +189,23 @@ class ActivationMonitor:
                 self.above.discard(layer)
         if self.line == "fp16_square":
             events += self._forecast(step, stats)
-        for norm, n in stats.norm_overflow.items():
+        for norm in sorted(set(stats.norm_overflow) | set(stats.norm_nan_rows)):
+            n = stats.norm_overflow.get(norm, 0)
+            nan = stats.norm_nan_rows.get(norm, 0)
+            if n <= 0 and nan > 0:  # NaN rows with no overflow beside them: counted too
+                events.append(
+                    Event(
+                        INFO,
+                        "nan_rows",
+                        step,
+                        f"{norm}: {int(nan)} rows not finite in the reduction dtype output NaN",
+                        layer=norm,
+                        value=float(nan),
+                        extra={"nan_rows": nan},
+                    )
+                )
             if n > 0:
                 dead = stats.norm_collapsed.get(norm, 0)
-                nan = stats.norm_nan_rows.get(norm, 0)
                 events.append(
                     Event(
                         self.on_overflow,
@@ -272,7 +285,7 @@ class ActivationMonitor:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if "forecaster" in state:  # a checkpoint from before issue 11 kept a "history": the
+        if "forecaster" in state:  # an older checkpoint kept a "history": the
             self.forecaster.load_state_dict(state["forecaster"])  # forecast restarts instead
         self.above = set(state["above"])
         self.forecast_warned = set(state["forecast_warned"])

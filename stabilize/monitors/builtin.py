@@ -33,7 +33,7 @@ register_monitor(
 register_monitor("loss_spike", LossSpikeConfig, partial(SpikeMonitor.from_config, series="loss"))
 register_monitor("nonfinite", NonFiniteConfig, NonFiniteMonitor.from_config, flag=True)
 register_monitor("loss_scale", LossScaleConfig, LossScaleMonitor.from_config)
-# issue 15 item 4: attention and output logits (monitors/logits.py)
+# attention and output logits (monitors/logits.py)
 register_monitor("attn_logit", AttnLogitConfig, AttnLogitMonitor.from_config)
 register_monitor("attn_entropy", AttnEntropyConfig, AttnEntropyMonitor.from_config)
 register_monitor("log_z", LogZConfig, LogZMonitor.from_config)

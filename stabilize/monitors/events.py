@@ -52,7 +52,7 @@ class StepStats:
     norm_nan_rows: dict[str, float] = field(default_factory=dict)
     norm_rms_max: dict[str, float] = field(default_factory=dict)  # norm -> largest row RMS
     attn_logit: dict[str, float] = field(default_factory=dict)  # block -> logit upper bound
-    # issue 15 (empty where not measured this step): block -> lowest head entropy (nats, log
+    # (empty where not measured this step): block -> lowest head entropy (nats, log
     # steps); the output logits' log Z {"mean", "max"}; per block h.{i} / "other", on log
     # steps: the pre-clip gradient norm and the coming update's ||dW|| / ||W||
     attn_entropy: dict[str, float] = field(default_factory=dict)

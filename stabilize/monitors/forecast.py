@@ -1,5 +1,5 @@
 """When will a layer cross a 16-bit reduction's line? A per-step forecast with a noise floor
-learned from the run (issue 11, item 1).
+learned from the run.
 
 Two lines, both in log space as ``y = log(value / line)`` (0 at the line; growth is
 multiplicative, so a constant rate is a straight line):

@@ -1,4 +1,4 @@
-"""Scoring a forecast against the crossings a run really made (issue 11, scripts/eval_forecast.py).
+"""Scoring a forecast against the crossings a run really made (scripts/eval_forecast.py).
 
 A *unit* is a layer: it crosses when the nearer of its lines is passed, |x| max against 256
 (one fp16 square overflows) or a norm's largest row RMS against 255.94 / sqrt(D) (the fp16

@@ -1,4 +1,4 @@
-"""Attention and output logits (issue 15, item 4): the attention-logit line and its
+"""Attention and output logits: the attention-logit line and its
 forecast, attention entropy collapse, and the output logits' log Z.
 
 - ``attn_logit``: the per-block upper bound on the attention logit (the probe's
@@ -6,7 +6,7 @@ forecast, attention entropy collapse, and the output logits' log Z.
   runs of Wortsman et al. (2023, "Small-scale proxies for large-scale Transformer training
   instabilities") whose max attention logit passed ~1e4 diverged. A robust log-linear fit
   over the last ``window`` steps forecasts the crossing; a warning comes ``horizon`` steps
-  ahead. Measured on the tiny GPT (fp32, issue 15): LR 3e-2 reaches 1.3e4-1.6e4, qk-norm
+  ahead. Measured on the tiny GPT (fp32): LR 3e-2 reaches 1.3e4-1.6e4, qk-norm
   keeps it ~12.
 - ``attn_entropy``: the lowest head's mean attention entropy (nats), on log steps (Zhai et
   al. 2023: entropy collapse accompanies divergence). At LR 1e-2 it fell to 0.02 while the
@@ -163,8 +163,12 @@ class AttnEntropyMonitor:
 
     def update(self, stats: StepStats) -> list[Event]:
         events = []
+        if not math.isfinite(stats.loss):  # a non-finite model: the NaN is the verdict
+            return events
         for block, e in stats.attn_entropy.items():  # empty except on log steps
-            if e < self.floor or math.isnan(e):
+            if math.isnan(e):  # not a collapse: a NaN head, which the NaN monitor reports
+                continue
+            if e < self.floor:
                 if block not in self.below:
                     self.below.add(block)
                     msg = (
@@ -220,9 +224,10 @@ class LogZMonitor:
 
     def update(self, stats: StepStats) -> list[Event]:
         v = stats.log_z.get("max")
-        if v is None:
+        # not measured, or non-finite: the NaN monitor's verdict, not a z-loss case
+        if v is None or not math.isfinite(v) or not math.isfinite(stats.loss):
             return []
-        if not abs(v) <= self.threshold:  # NaN too
+        if abs(v) > self.threshold:
             if not self.above:
                 self.above = True
                 msg = (

@@ -8,13 +8,21 @@ MAD a consistent estimate of sigma for Gaussian noise; and only above the median
 sudden drop in loss is not a fault).
 
 A flat window (a constant series: a dead network's grad norm of exactly 0, a loss stuck at
-ln 256) has MAD 0, and dividing by it reported "1.5e11 robust sigmas" (issue 11). sigma is
+ln 256) has MAD 0, and dividing by it reported "1.5e11 robust sigmas". sigma is
 floored: max(1.4826 MAD, REL_FLOOR |median|, ABS_FLOOR). REL_FLOOR = 1% sits above the
 rounding of a 16-bit value (fp16 2^-11, bf16 2^-9 relative), so a few ulps of jitter is never
 many sigmas, and far below the min_ratio gap (50% at the default 1.5): a value that passes
 min_ratio over a flat window scores at least (min_ratio - 1) / REL_FLOOR = 50 sigmas, a finite
 score that still clears any usual threshold; the event then says the sigma was floored.
 ABS_FLOOR keeps a series at exactly 0 finite.
+
+A series with a trend (a loss early in a run falls by 2 nats in 30 steps) has a window MAD
+made of the trend, not the noise: a 3x loss jump at step 30 scored under 8 sigmas, and a
+warm-up of 50 steps hid it anyway. With ``trend_robust`` (the loss's detector) sigma is
+estimated from the successive differences instead, 1.4826 MAD(diff) / sqrt(2), which a
+smooth trend does not inflate and which equals sigma for noise without one; the warm-up is
+then a few values, enough for a median of differences. Values below the median (a descent)
+are never spikes either way.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ class SpikeDetector:
         threshold: float = 6.0,
         min_ratio: float = 1.5,
         kind: str = ROLLBACK,
+        trend_robust: bool = False,
     ):
         """``min_ratio``: also require value > min_ratio * median, so that a near-constant
         series (MAD ~ 0) does not call every wiggle a spike."""
@@ -52,6 +61,7 @@ class SpikeDetector:
             )
         self.name, self.window, self.warmup = name, window, warmup
         self.threshold, self.min_ratio, self.kind = threshold, min_ratio, kind
+        self.trend_robust = trend_robust
         self.values: deque[float] = deque(maxlen=window)
         self._sorted: list[float] = []  # the window's values in order: the median is O(1)
 
@@ -69,7 +79,13 @@ class SpikeDetector:
     def sigma(self, med: float) -> tuple[float, bool]:
         """(the window's robust sigma, whether the floor set it): a flat window's MAD is 0
         (module docstring)."""
-        raw = MAD_TO_SIGMA * statistics.median(abs(v - med) for v in self.values)
+        if self.trend_robust and len(self.values) > 2:
+            v = list(self.values)
+            diffs = [b - a for a, b in zip(v, v[1:], strict=False)]
+            dmed = statistics.median(diffs)
+            raw = MAD_TO_SIGMA * statistics.median(abs(d - dmed) for d in diffs) / math.sqrt(2)
+        else:
+            raw = MAD_TO_SIGMA * statistics.median(abs(v - med) for v in self.values)
         floor = max(REL_FLOOR * abs(med), ABS_FLOOR)
         return max(raw, floor), raw < floor
 
@@ -163,7 +179,7 @@ class LossSpikeConfig(SpikeConfig):
     """``monitor.loss_spike``: the loss's spikes."""
 
     section: ClassVar[str] = "loss_spike"
-    warmup: int = 50
+    warmup: int = 8  # its sigma is trend-robust: a few values suffice (module docstring)
     threshold: float = 8.0
 
 
@@ -178,7 +194,9 @@ class SpikeMonitor:
     @classmethod
     def from_config(cls, name: str, c: SpikeConfig, *, series: str) -> SpikeMonitor:
         kind = ROLLBACK if c.action == "rollback" else WARN
-        return cls(SpikeDetector(name, c.window, c.warmup, c.threshold, c.min_ratio, kind), series)
+        trend = isinstance(c, LossSpikeConfig)  # a loss falls fast early; a grad norm less so
+        detector = SpikeDetector(name, c.window, c.warmup, c.threshold, c.min_ratio, kind, trend)
+        return cls(detector, series)
 
     @property
     def kind(self) -> str:

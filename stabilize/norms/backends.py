@@ -32,6 +32,7 @@ import shutil
 import torch
 
 from stabilize import cpu_kernels
+from stabilize.compat import dynamo_config
 from stabilize.norms.registry import NormType, get_norm_type
 from stabilize.numerics import dtype_from_name
 
@@ -105,7 +106,7 @@ def compiled_norm(spec: NormType, x, weight, bias, eps, act):
         # Every (type, dtype, activation dtype, affine, grad mode) combination is one more
         # compiled variant of this one function; past dynamo's recompile limit (8) it would
         # silently run eager. A model has a handful; a sweep in one process has more.
-        cfg = torch._dynamo.config
+        cfg = dynamo_config()
         cfg.recompile_limit = max(cfg.recompile_limit, 64)
         _compiled = torch.compile(explicit_norm, dynamic=None)
     red = torch.float64 if x.dtype == torch.float64 else torch.float32

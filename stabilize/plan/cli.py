@@ -108,7 +108,7 @@ def render(cfg: RunConfig, plan: PlanConfig) -> str:
     rows += [
         "",
         f"host memory, snapshot ring (rollback.keep={keep}){'per rank':>14}{'per node':>12}",
-        f"  {'full copy on every rank (before issue 13.4)':<47}{_gb(st.ring_per_rank)}   "
+        f"  {'full copy on every rank (unsharded ring)':<47}{_gb(st.ring_per_rank)}   "
         f"{_gb(st.ring_per_node)}",
         f"  {f'1/{world} slice per rank (DDP and FSDP now)':<47}{_gb(st.sharded_per_rank)}   "
         f"{_gb(st.sharded_per_node)}",

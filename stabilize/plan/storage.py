@@ -30,7 +30,7 @@ class Storage:
     """Host memory per node and disk, for ``gpus_per_node`` ranks on ``nodes`` nodes."""
 
     snapshot: int  # one full snapshot (= one checkpoint), bytes
-    ring_per_rank: int  # rollback.keep full copies on every rank (before issue 13.4)
+    ring_per_rank: int  # rollback.keep full copies on every rank (an unsharded ring)
     ring_per_node: int
     sharded_per_rank: int  # rollback.keep slices of 1/world: DDP (rollback/sharded.py), FSDP
     sharded_per_node: int

@@ -8,7 +8,7 @@ step to where it was abandoned; the kept trajectory, what the model that finishe
 through, is one line.
 
 How a rollback shows in the logs (``stabilize/lit/stability/``: ``sink.py`` writes the
-stability row, ``controller.py`` restores; issue 16): at the global step of a rollback, the
+stability row, ``controller.py`` restores): at the global step of a rollback, the
 stability row says the attempted step while the module's row, written after the restore,
 says the restored one; the batch Lightning fetched before the restore is then logged once
 more at the restored step without being trained on (a stale batch). The events file names

@@ -12,7 +12,7 @@ Every source yields the same ``Run``: x is the optimizer step taken (monotonic, 
 rolled-back steps too), as W&B and the CSV log count it; ``report/axis.py`` maps it to the
 model's own step, the one axis the report shows.
 
-Unreadable input never stops the report (issue 12, item 9): a malformed line of
+Unreadable input never stops the report: a malformed line of
 events.jsonl / audit.jsonl, an unreadable metrics.csv or JSON file is skipped, and a
 warning naming the file (and line) goes to ``Run.warnings`` (listed in report.md and on
 stderr); everything else is still reported.
@@ -63,7 +63,7 @@ class Run:
 
 # The step's scalars logged on every step (stabilize/lit/stability/sink.py STEP_METRICS) and
 # the names the report reads: where a run has them they replace Lightning's log-step-only
-# values, so a peak between log steps is in the table and the plots (issue 11).
+# values, so a peak between log steps is in the table and the plots.
 PER_STEP = {
     "train/loss_step": "train/loss",
     "train/grad_norm_step": "train/grad_norm",
@@ -269,6 +269,9 @@ def events_from_rows(rows: list[dict[str, float]], threshold: float = 256.0) -> 
                 events.append(
                     {"kind": "warn", "monitor": "activation", "step": model_step, "layer": k[4:]}
                 )
+            if k.startswith("nan_rows/") and v > 0 and not r.get("overflow/" + k[9:]):
+                events.append({"kind": "info", "monitor": "nan_rows", "step": model_step,
+                               "layer": k[9:], "value": v, "extra": {"nan_rows": v}})  # fmt: skip
             if k.startswith("overflow/") and v > 0:
                 norm = k[len("overflow/") :]
                 events.append(

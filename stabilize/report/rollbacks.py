@@ -1,5 +1,5 @@
 """Each rollback of a run, told from its events: which fault it answered, what its rung of
-the ladder changed, and whether that change lasted (issue 11, item 5).
+the ladder changed, and whether that change lasted.
 
 A rollback event (``monitor == "rollback"``) follows the verdicts that called for it, logged
 at the same optimizer step taken (``global_step``). What a rung changes and how long it

@@ -17,7 +17,7 @@ from stabilize.report.rollbacks import rollback_lines
 
 LINE = 256.0  # |x| max where one fp16 square overflows (255.94^2 = 65504)
 # "final loss" is the mean training loss over the run's last LAST_STEPS model steps: one
-# batch's loss is too noisy to rank arms by (issue 11)
+# batch's loss is too noisy to rank arms by
 LAST_STEPS = 20
 
 
@@ -39,7 +39,7 @@ class ArmSummary:
     overflow_rows: float = 0.0
     dead_tokens: float = 0.0
     # rows whose input was not finite in the reduction dtype (e.g. |x| >= 65520 cast to fp16):
-    # they output NaN, they are not dead (issue 11); summed over the same overflow events
+    # they output NaN, they are not dead; summed over the same overflow events
     nan_rows: float = 0.0
     scaler_skips: int = 0
     first_grad_nonfinite: int | None = None  # first GradScaler skip at/after the first overflow
@@ -145,7 +145,9 @@ def summarize(run: Run) -> ArmSummary:
         s.first_overflow = int(overflows[0]["step"])
         s.overflow_rows = sum(float(e.get("value") or 0) for e in overflows)
         s.dead_tokens = _extra_sum(overflows, "collapsed")
-        s.nan_rows = _extra_sum(overflows, "nan_rows")
+    # every row that went NaN: on overflow events, and on a step where none overflowed
+    s.nan_rows = _extra_sum([e for e in ev if e.get("monitor") in ("overflow", "nan_rows")],
+                            "nan_rows")  # fmt: skip
     skips = [e for e in ev if e.get("monitor") == "loss_scale" and e.get("kind") == "skip"]
     s.scaler_skips = len(skips)
     if s.first_overflow is not None:  # inf/NaN gradients the overflow caused (not calibration)

@@ -1,7 +1,7 @@
 """Durable snapshots of a sharded (FSDP2) model through torch.distributed.checkpoint.
 
 Under FSDP every rank holds a different shard, so no single rank can write the whole state
-(issue 13: "only rank 0 writes the durable snapshot, and it holds only rank 0's shard").
+(before this, only rank 0 wrote the durable snapshot, and it held only rank 0's shard).
 Here ``snapshot-NNNNNN/`` is a DCP directory: every rank writes its shard of the model and
 AdamW state (keyed by parameter name, ``get_state_dict``), and rank 0 adds ``rest.pt``
 (scheduler, scaler, counters, monitors, fault: small, the same on every rank). DCP stores

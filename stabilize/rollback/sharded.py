@@ -1,4 +1,4 @@
-"""One copy of each snapshot per world, not per rank (issue 13, item 4).
+"""One copy of each snapshot per world, not per rank.
 
 Under DDP every rank holds the same weights and AdamW moments, so a full snapshot on every
 rank is ``world`` identical copies (for gpt-1.3b at keep=3: 47 GB per rank, 379 GB per
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stabilize.compat import foreach_copy_
 from stabilize.rollback.snapshots import Snapshot, to_cpu
 
 _ATOMIC = (int, float, bool, str, bytes, type(None))
@@ -181,7 +182,7 @@ class ShardedState:
             out.cuda = cuda
         elif dst:
             with torch.no_grad():
-                torch._foreach_copy_(dst, src)
+                foreach_copy_(dst, src)
         return out
 
     def ready(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from stabilize.compat import foreach_copy_
 from stabilize.io import atomic_torch_save, verified_load
 
 _ATOMIC = (int, float, bool, str, bytes, type(None))
@@ -36,7 +37,7 @@ def to_cpu(obj: Any, into: Any = None) -> Any:
     out = _copy_tree(obj, into, {}, set(), dst, src)
     if dst:
         with torch.no_grad():
-            torch._foreach_copy_(dst, src)
+            foreach_copy_(dst, src)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The console side of the event sink: every event once, repeats summarised (issue 16).
+"""The console side of the event sink: every event once, repeats summarised.
 
 ``events.jsonl`` keeps every event; the console gets a readable account of them. Events of
 one kind from one monitor that follow each other within ``gap`` model steps are one episode:

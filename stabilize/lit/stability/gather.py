@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from stabilize.compat import found_inf_per_device, scaler_scale
 from stabilize.lit.probe import StabilityProbe
 from stabilize.monitors import StepStats
 
@@ -76,11 +77,11 @@ class StepGather:
         dev = pl_module.device
         nan, minus1, no_fp = self._constants(dev)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        scale = scaler_scale(scaler) if scaler is not None else None
         found_inf = minus1
         if scale is not None:
             # after unscale_: the scaler will skip this step if any gradient is inf/NaN
-            per_dev = scaler._found_inf_per_device(optimizer)
+            per_dev = found_inf_per_device(scaler, optimizer)
             if per_dev:
                 found_inf = sum(v.float().sum() for v in per_dev.values()).reshape(())
         loss = pl_module.step_loss
@@ -94,7 +95,7 @@ class StepGather:
         ]
         fp = fingerprint_chunks(fingerprint(pl_module.parameters())) if replicas else no_fp
         if probe is not None:
-            # -- issue 15 item 5: per-block gradient norms and update/weight ratios, on log
+            # -- per-block gradient norms and update/weight ratios, on log
             # steps, into the probe's own slots (they travel in the step's one vector) --
             probe.record_params(optimizer, head[1], pl_module.cfg.optim.grad_clip)
         return self.reduce(trainer, pl_module, head, fp, probe)

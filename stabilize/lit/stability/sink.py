@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from lightning.pytorch.loggers import WandbLogger
 
+from stabilize.compat import batches_that_stepped
 from stabilize.lit.stability.console import EventConsole
 from stabilize.monitors import SERIES_METRICS, Event, StepStats
 from stabilize.numerics import sum_of_squares_rms_limit
 
-# The step's scalars, logged on every optimizer step under these names (issue 11: logged only
+# The step's scalars, logged on every optimizer step under these names (once logged only
 # every log_every_n_steps, a grad-norm peak of 13.7 showed up as 3.18). They are the host
 # values the gather already holds (no extra sync): what the monitors judged, i.e. the mean
 # loss over the step's micro-batches and the loss scale this step ran with (before the
@@ -85,7 +86,7 @@ class EventSink:
             self.console.tick(s.step)
             # the step Lightning's own self.log rows use at this point (one less than
             # global_step), so per-layer rows line up with train/loss in CSV and W&B
-            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            step = batches_that_stepped(trainer)
             for lg in trainer.loggers:
                 lg.log_metrics(m, step=step)
 
