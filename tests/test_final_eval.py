@@ -52,7 +52,7 @@ def test_final_eval_scores_every_held_out_block_as_float64_does(tmp_path):
     assert [r["final/val_bpb"] for r in rows if "final/val_bpb" in r] == [score["bpb"]]
 
 
-def test_final_eval_off_and_bounded(tmp_path):
+def test_final_eval_off_and_bounded(tmp_path, monkeypatch, capsys):
     run(compose_run(tmp_path / "off", [*FAST, "logger=none", "trainer.final_eval_batches=0"]))
     assert not (tmp_path / "off" / "final_eval.json").exists()
     # nothing held out: no score (not a NaN one), and the run ends as usual
@@ -62,10 +62,15 @@ def test_final_eval_off_and_bounded(tmp_path):
     run(compose_run(tmp_path / "two", [*FAST, "logger=none", "trainer.final_eval_batches=2"]))
     score = json.loads((tmp_path / "two" / "final_eval.json").read_text())
     assert score["batches"] == 2 and score["tokens"] == 2 * 4 * 64  # batch 4, block 64
-    # the token bound (trainer.final_eval_tokens): whole batches up to it, 3 x 256 tokens
+    # the token bound (trainer.final_eval_tokens): whole batches up to it, 3 x 256 tokens;
+    # and its progress line, here after every batch (every 10 s in a real run)
+    monkeypatch.setattr("stabilize.lit.final_eval.PROGRESS_EVERY_S", 0.0)
+    capsys.readouterr()
     run(compose_run(tmp_path / "tok", [*FAST, "logger=none", "trainer.final_eval_tokens=1000"]))
     score = json.loads((tmp_path / "tok" / "final_eval.json").read_text())
     assert score["batches"] == 3 and score["tokens"] == 3 * 4 * 64 and not score["whole"]
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("final eval: ")]
+    assert [x.split()[2] for x in said] == ["1/3", "2/3"], said
 
 
 def test_final_loss_is_the_mean_of_the_last_steps_with_replays_counted_once():

@@ -6,16 +6,19 @@ in silence."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
 
+import lightning as L
 from test_preempt import COMMON, _start
 
 from stabilize.exits import EXIT_HUNG
 from stabilize.lit.watchdog import beat_path
+from stabilize.train import run
 
-from conftest import ROOT
+from conftest import FAST, ROOT, compose_run
 
 TIMEOUT = 4  # trainer.hang_timeout_s: seconds without progress
 
@@ -83,3 +86,30 @@ def test_a_straggler_is_named_once_every_rank_has_its_figure():
     assert "median rank's 125.0 ms" in line
     assert straggler_line({0: {"own_s": 2.0, "steps": 20}, 1: {"own_s": 3.0, "steps": 19}}) is None
     assert straggler_line({0: {"own_s": 2.0, "steps": 20}, 1: {"own_s": 2.2, "steps": 20}}) is None
+
+
+class _SleepAt(L.Callback):
+    """A step that stalls: the main thread sleeps past the timeout at one batch end."""
+
+    def __init__(self, step: int, seconds: float):
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_end(self, trainer, pl_module, *args, **kwargs):
+        if pl_module.model_step == self.step:
+            time.sleep(self.seconds)
+
+
+def test_one_process_that_stalls_gets_its_stacks_dumped_and_goes_on(tmp_path, caplog):
+    """Nothing else waits on a lone process (it may sit at a breakpoint): a stall past the
+    timeout dumps its stacks and logs one line, and the run finishes."""
+    d = tmp_path / "alone"
+    cfg = compose_run(d, [*FAST, "logger=none", "trainer.max_steps=6", "trainer.hang_timeout_s=1"])
+    with caplog.at_level(logging.WARNING, logger="stabilize.lit.watchdog"):
+        out = run(cfg, callbacks=[_SleepAt(3, 3.0)])
+    assert (
+        out["model_step"] == 6 and json.loads((d / "result.json").read_text())["status"] == "done"
+    )
+    said = [r.message for r in caplog.records if "[watchdog] no progress" in r.message]
+    assert len(said) == 1 and "one process: not aborting" in said[0], said
+    stacks = (d / "ranks" / "rank-0.stacks.txt").read_text()
+    assert "test_watchdog.py" in stacks and "on_train_batch_end" in stacks  # where it slept

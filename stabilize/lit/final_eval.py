@@ -26,6 +26,7 @@ from stabilize.data import bits_per_byte, build_dataloaders
 from stabilize.lit.fsdp import is_sharded
 
 FILE = "final_eval.json"
+PROGRESS_EVERY_S = 10.0
 
 
 def held_out_score(
@@ -57,13 +58,12 @@ def held_out_score(
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
     token_bytes = blocks.token_bytes
-    every = max(1, per_rank // 10) if per_rank >= 50 else 0  # a line per ~10% on long ones
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()  # a line every PROGRESS_EVERY_S: a short one says nothing
     try:
         with torch.no_grad(), trainer.precision_plugin.forward_context():
             for k in range(per_rank):
-                if every and k and k % every == 0 and rank == 0:
-                    rate = k / (time.perf_counter() - t0)
+                if k and rank == 0 and (now := time.perf_counter()) - last >= PROGRESS_EVERY_S:
+                    last, rate = now, k / (now - t0)
                     print(f"final eval: {k}/{per_rank} batches a rank, "
                           f"eta {(per_rank - k) / rate:.0f} s", flush=True)  # fmt: skip
                 i = rank + k * world

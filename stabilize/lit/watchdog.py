@@ -13,7 +13,9 @@ the others, through the run dir every rank shares:
   thread makes no progress for the timeout, the C-level timer dumps every thread's stack
   into ``ranks/rank-N.stacks.txt``, even if the thread holds the GIL.
 
-When a rank's own progress has not moved for the timeout (``trainer.hang_timeout_s``; by
+With one process the watchdog only dumps the stacks and logs one line per stall (nothing
+else waits on it: it may be a breakpoint). With more, when a rank's own progress has not
+moved for the timeout (``trainer.hang_timeout_s``; by
 default ``max(60 s, 5 x the median step)``, ten times that while a rank saves a checkpoint
 or validates), it names the culprits from the others' files: ranks whose thread is silent
 too (the process is stopped or frozen), else the ranks behind the rest, else every rank
@@ -200,6 +202,7 @@ class Watchdog(L.Callback):
         return beats
 
     def _watch(self) -> None:
+        said = None  # one process: the stall last reported (when its progress last moved)
         seen: dict[int, tuple[Any, float]] = {}  # rank -> (alive counter, when it moved)
         moved: dict[int, tuple[Any, float]] = {}  # rank -> (mark, when it moved)
         while not self._stop.is_set():
@@ -226,11 +229,26 @@ class Watchdog(L.Callback):
                 self._stop.wait(1.0)
                 continue
             stalled = now - moved[self.rank][1]
-            if self.own_steps and stalled > limit:
+            if self.own_steps and stalled > limit and self.world == 1:
+                if said != moved[self.rank][1]:  # once per stall: nobody else waits on it
+                    said = moved[self.rank][1]
+                    self._stall_alone(stalled, limit)
+            elif self.own_steps and stalled > limit:
                 self._declare(beats, seen, now, stalled, limit)
                 return
-            self._poll = min(5.0, max(0.2, limit / 20))
+            # from the step's own timeout, not a save's longer allowance: beats stay frequent
+            self._poll = min(5.0, max(0.2, self.timeout() / 20))
             self._stop.wait(self._poll)
+
+    def _stall_alone(self, stalled: float, limit: float) -> None:
+        """One process with no progress: its stacks and one line, and the run goes on (no
+        other rank waits on it; it may be a debugger's breakpoint or a slow step)."""
+        faulthandler.dump_traceback(file=self._stacks or sys.stderr, all_threads=True)
+        step, phase = self.mark[3], self.mark[2]
+        log.warning(
+            f"[watchdog] no progress for {stalled:.0f} s (timeout {limit:.0f} s), last at step "
+            f"{step} ({phase}); stacks in {self.run_dir / RANKS_DIR}/; one process: not aborting"
+        )
 
     def _declare(self, beats, seen, now, stalled: float, limit: float) -> None:
         silent = [r for r in beats if r != self.rank and now - seen[r][1] > limit / 2]
