@@ -9,7 +9,7 @@ classification assigned, the ranks it blamed, the remedy chosen and the outcome.
 Each drill is a real launch (``stabilize-train``, or ``scripts/launch.sh`` for 2 ranks) of
 the tiny model on CPU; the table is read back from the run dirs (events.jsonl,
 result.json, replicas.json, skipped_batches.json). Prints a Markdown table, a row as each
-drill ends (docs/stability.md has one).
+drill ends (docs/rollback.md has one).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Faults that the re-run classification tells apart (docs/stability.md).
+"""Faults that the re-run classification tells apart (docs/rollback.md).
 
 - ``bitflip``: one bit of element 0 of ``fault.param`` flipped once, on ``fault.rank``
   only, after the backward (the all-reduce is done): in the parameter itself (``flip:

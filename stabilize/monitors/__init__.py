@@ -3,7 +3,7 @@
 They read host-side ``StepStats`` (gathered once per step by the Lightning callback) and
 know nothing of Lightning, W&B or torch.distributed. Each is registered under its config
 section (``registry.register_monitor``; the built-in ones in ``builtin.py``). See
-docs/stability.md.
+docs/monitors.md.
 """
 
 from stabilize.monitors import builtin  # noqa: F401  (registers the built-in monitors)

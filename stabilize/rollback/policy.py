@@ -44,7 +44,7 @@ class RollbackConfig:
     one per successive rollback for the same monitor."""
     classify: bool = True
     """Re-run a faulty step to classify the fault (transient, deterministic, data-linked;
-    docs/stability.md) and pick the remedy by its class."""
+    docs/rollback.md) and pick the remedy by its class."""
     remedy: dict[str, Any] = field(default_factory=dict)
     """Each remedy's own settings, ``rollback.remedy.<name>.<knob>``: one section per
     registered remedy with a config dataclass (``Remedy.config``), built into it; a section

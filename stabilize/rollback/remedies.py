@@ -5,7 +5,7 @@ scale, the data position), and re-applies after a checkpoint load whatever of it
 the checkpoint does not hold. The rollback controller only picks the rung and calls it.
 
 Built in (PaLM skipped 200-500 batches around a spike; OPT-175B restarted with a lower LR;
-the fp32 reduction is this project's own, docs/stability.md):
+the fp32 reduction is this project's own, docs/rollback.md):
 - ``retry``: restore and go on unchanged (a transient fault - a flipped bit, a bad host -
   does not recur; Megatron-LM re-runs a failing step to tell the two kinds apart);
 - ``skip_data``: move the data position ``rollback.remedy.skip_data.batches`` past the
@@ -19,7 +19,7 @@ the fp32 reduction is this project's own, docs/stability.md):
   positions join ``state.skipped``, kept in checkpoints and in the run dir's
   ``skipped_batches.json``, so a resume skips them too).
 
-Each remedy says which fault classes it fits (``classes``; docs/stability.md): ``retry``
+Each remedy says which fault classes it fits (``classes``; docs/rollback.md): ``retry``
 a transient fault, ``skip_data`` and ``skip_batch`` a data-linked one, the rest (the
 numerics) a deterministic one.
 

@@ -1,4 +1,4 @@
-"""Re-run classification: what kind of fault was it? (docs/stability.md)
+"""Re-run classification: what kind of fault was it? (docs/rollback.md)
 
 On a ROLLBACK verdict the step is replayed in-process, from the same weights (the step was
 made a no-op) and the same micro-batches, the fault's hooks included (localize.replay),
