@@ -70,6 +70,13 @@ def dynamo_config() -> Any:
     return torch._dynamo.config
 
 
+def dtensor_local(obj: Any) -> Any:
+    """A DTensor's own local shard (the tensor itself, no autograd view: a snapshot writes
+    into a recycled one's buffer), or None for anything else. ``to_local()`` is the public
+    way and goes through autograd."""
+    return getattr(obj, "_local_tensor", None)
+
+
 def fsdp_gathered_params(model: Any) -> Iterator[tuple[str, Any]]:
     """(name, the gathered ``nn.Parameter``) for every FSDP2 parameter of ``model`` that a
     forward has gathered: the tensors autograd sees (a hook on the shard never fires)."""

@@ -71,6 +71,9 @@ def test_fsdp2_gathered_parameters_on_one_gloo_rank(tmp_path):
         model(torch.ones(1, 4)).sum().backward()
         names = sorted(n for n, _ in compat.fsdp_gathered_params(model))
         print(names)
+        w = model[0].weight  # a DTensor: its local shard is the whole weight on 1 rank
+        assert compat.dtensor_local(w).shape == (4, 4) and compat.dtensor_local(w.grad) is not None
+        assert compat.dtensor_local(torch.ones(2)) is None
         dist.destroy_process_group()
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

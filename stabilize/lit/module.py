@@ -147,6 +147,10 @@ class GPTLitModule(L.LightningModule):
         self.data_step = self.next_position(data_step)
         self._loader_cache[1][0].batch_sampler.seek(self.data_step)
 
+    def train_sampler(self):
+        """The trainer's own train batch sampler (``StepSampler``: positions -> items)."""
+        return self._loader_cache[1][0].batch_sampler
+
     def next_position(self, data_step: int) -> int:
         """The first data position at or after ``data_step`` that is not skipped."""
         while data_step in self.skipped:

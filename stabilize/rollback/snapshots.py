@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stabilize.compat import foreach_copy_
+from stabilize.compat import dtensor_local, foreach_copy_
 from stabilize.io import atomic_torch_save, verified_load
 
 _ATOMIC = (int, float, bool, str, bytes, type(None))
@@ -66,9 +66,9 @@ def _copy_tree(obj, into, copies: dict, used: set, dst: list, src: list) -> Any:
         src.append(obj.detach())
         copies[key] = out
         return out
-    local = getattr(obj, "_local_tensor", None)  # a DTensor (FSDP2): this rank's shard
+    local = dtensor_local(obj)  # a DTensor (FSDP2): this rank's shard
     if local is not None:
-        old = getattr(into, "_local_tensor", None)
+        old = dtensor_local(into)
         if (
             old is not None
             and old.device.type == "cpu"

@@ -169,7 +169,7 @@ class RollbackController:
         indices (rank 0 writes it; a resume reads it back, stability callback's setup)."""
         if not trainer.is_global_zero:
             return
-        sampler = pl_module._loader_cache[1][0].batch_sampler  # the trainer's own
+        sampler = pl_module.train_sampler()  # the trainer's own
         batches = [
             {
                 "data_step": p,
