@@ -78,8 +78,9 @@ class Watchdog(L.Callback):
         self.rank, self.world = 0, 1
         # (training batches begun, phase index, phase, global step): every rank goes through
         # the same batches in lockstep, so the first two order any two ranks' progress
-        self.mark = (0, 0, "start", 0)
-        self.batches = 0
+        # ..., and a tick per mark: any new mark is progress (a long validation's batches too)
+        self.mark = (0, 0, "start", 0, 0)
+        self.batches = self.ticks = 0
         self.model_step = 0
         self.steps: deque[float] = deque(maxlen=64)  # recent step times, seconds
         self.own_s, self.own_steps = 0.0, 0
@@ -94,7 +95,8 @@ class Watchdog(L.Callback):
 
     # --- the main thread: marks -------------------------------------------------------
     def _set(self, trainer, phase: str) -> None:
-        self.mark = (self.batches, PHASES.index(phase), phase, trainer.global_step)
+        self.ticks += 1
+        self.mark = (self.batches, PHASES.index(phase), phase, trainer.global_step, self.ticks)
 
     def on_train_start(self, trainer, pl_module):
         self.rank, self.world = trainer.global_rank, trainer.world_size
@@ -222,7 +224,7 @@ class Watchdog(L.Callback):
                 if moved.get(r, (None,))[0] != b.get("mark"):
                     moved[r] = (b.get("mark"), now)
             limit = self.timeout()
-            phases = {b["mark"][2] for b in beats.values() if len(b.get("mark", [])) == 4}
+            phases = {b["mark"][2] for b in beats.values() if len(b.get("mark", [])) >= 4}
             if phases & set(SLOW_PHASES):
                 limit *= SLOW_FACTOR
             if "done" in phases:  # one rank finished training: the rest is the pg timeout's
@@ -252,7 +254,7 @@ class Watchdog(L.Callback):
 
     def _declare(self, beats, seen, now, stalled: float, limit: float) -> None:
         silent = [r for r in beats if r != self.rank and now - seen[r][1] > limit / 2]
-        marks = {r: tuple(b["mark"][:2]) for r, b in beats.items() if len(b.get("mark", [])) == 4}
+        marks = {r: tuple(b["mark"][:2]) for r, b in beats.items() if len(b.get("mark", [])) >= 4}
         if silent:
             culprits = silent
         elif len(set(marks.values())) > 1:
