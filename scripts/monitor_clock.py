@@ -130,7 +130,7 @@ class BenchClock(StepClock):
         # ladder [retry]: no remedy changes anything; the policy's history is cleared each
         # time so that the one-rung ladder never aborts.
         sc.rcfg.ladder = ["retry"]  # the policy holds the same config object
-        step = pl_module.model_step
+        step = pl_module.train_state.model_step
         event = Event(ROLLBACK, "bench", step + sc.rcfg.margin, "bench_monitors: timing")
 
         def rollback():
@@ -139,4 +139,4 @@ class BenchClock(StepClock):
             sync()
 
         self.timings["rollback"] = median_time(rollback, self.reps)
-        assert pl_module.model_step == step, "the timed rollback moved the model step"
+        assert pl_module.train_state.model_step == step, "the timed rollback moved the model step"

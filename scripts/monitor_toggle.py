@@ -75,7 +75,7 @@ class FingerprintToggle(Toggle):
         n = self.every if on else 0
 
         def gather(trainer, pl_module, optimizer):
-            due = bool(n) and (pl_module.model_step + 1) % n == 0
+            due = bool(n) and (pl_module.train_state.model_step + 1) % n == 0
             return sc.gather(trainer, pl_module, optimizer, sc.probe, replicas=due)
 
         sc._gather = gather  # an instance attribute: on_before_optimizer_step calls it

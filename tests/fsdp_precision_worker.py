@@ -39,7 +39,7 @@ class RankTrace(L.Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         grads = [local_part(p.grad) for p in pl_module.parameters() if p.grad is not None]
         row = {
-            "model_step": pl_module.model_step,  # before this step
+            "model_step": pl_module.train_state.model_step,  # before this step
             "digest_before": params_digest(pl_module.model),
             "own_shard_inf": any(not bool(torch.isfinite(g).all()) for g in grads),
             "scale_before": None,
@@ -57,7 +57,7 @@ class RankTrace(L.Callback):
         row, self._row = self._row, None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         row["scale_after"] = float(scaler._scale) if scaler is not None else None
-        row["model_step_after"] = pl_module.model_step
+        row["model_step_after"] = pl_module.train_state.model_step
         row["digest_after"] = params_digest(pl_module.model)
         self.steps.append(row)
 

@@ -34,7 +34,9 @@ class WindowCheck(L.Callback):
         self.windows: list[tuple[int, int, int]] = []  # (micro, model_step, data_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.windows.append((pl_module.micro, pl_module.model_step, pl_module.data_step))
+        self.windows.append(
+            (pl_module.micro, pl_module.train_state.model_step, pl_module.train_state.data_step)
+        )
 
 
 def events(run_dir, monitor: str) -> list[dict]:

@@ -77,7 +77,7 @@ class Reference(L.Callback):
         self.last, self.handles, self.qk = last, [], {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if pl_module.model_step + 1 != self.last:
+        if pl_module.train_state.model_step + 1 != self.last:
             return
         model = pl_module.model
         self.handles.append(
@@ -95,13 +95,13 @@ class Reference(L.Callback):
                 )
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if pl_module.model_step + 1 == self.last:
+        if pl_module.train_state.model_step + 1 == self.last:
             named = dict(pl_module.model.named_parameters())
             self.before = {k: p.detach().double().clone() for k, p in named.items()}
             self.grads = {k: p.grad.double().clone() for k, p in named.items()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if pl_module.model_step == self.last and not hasattr(self, "after"):
+        if pl_module.train_state.model_step == self.last and not hasattr(self, "after"):
             named = dict(pl_module.model.named_parameters())
             self.after = {k: p.detach().double().clone() for k, p in named.items()}
             sc = next(c for c in trainer.callbacks if isinstance(c, StabilityCallback))

@@ -153,7 +153,7 @@ class NormInputs(L.Callback):
                 m.register_forward_pre_hook(lambda m, a, n=n: self._keep(m, n, a[0]))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._step = pl_module.model_step + 1
+        self._step = pl_module.train_state.model_step + 1
         self.by_step[self._step] = {}
 
     def _keep(self, module, name, x):

@@ -15,6 +15,7 @@ import torch
 
 from stabilize.lit.stability import StabilityAbort
 from stabilize.rollback import load_durable
+from stabilize.rollback.state import TrainState
 from stabilize.train import run
 
 from conftest import FAST, ROOT, compose_run, launch_sh, read_csv_metrics, run_cli, series
@@ -361,7 +362,7 @@ class PoisonWeight(L.Callback):
         self.step, self.name = step, name
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if pl_module.model_step + 1 == self.step and not getattr(self, "done", False):
+        if pl_module.train_state.model_step + 1 == self.step and not getattr(self, "done", False):
             self.done = True
             with torch.no_grad():
                 dict(pl_module.model.named_parameters())[self.name].view(-1)[3] = float("nan")
@@ -576,7 +577,7 @@ def _bare_stability(tmp_path, **rollback):
         precision_plugin=SimpleNamespace(),
         is_global_zero=True,
     )
-    pl = SimpleNamespace(model=model, model_step=0, data_step=0)
+    pl = SimpleNamespace(model=model, train_state=TrainState(model))
     cb = StabilityCallback(
         MonitorConfig(), RollbackConfig(**rollback), FaultConfig(), str(tmp_path)
     )
@@ -587,7 +588,7 @@ def _bare_stability(tmp_path, **rollback):
             opt.step()
             sched.step()
             opt.zero_grad()
-            pl.model_step += 1
+            pl.train_state.model_step += 1
 
     return cb, trainer, pl, opt, train
 
@@ -672,8 +673,8 @@ def test_durable_writes_run_in_the_background_and_never_see_a_recycled_buffer(
         train(1)
         t = time.perf_counter()
         cb._snapshot(trainer, pl)
-        took[pl.model_step] = time.perf_counter() - t
-        refs[pl.model_step] = _frozen(cb.ring.ring[-1].state)
+        took[pl.train_state.model_step] = time.perf_counter() - t
+        refs[pl.train_state.model_step] = _frozen(cb.ring.ring[-1].state)
     assert took[1] < 0.25  # the first write did not block training
     cb.teardown(trainer, pl, "fit")  # waits for the last write
     assert threads and all(n.startswith("stabilize-durable") for n in threads)

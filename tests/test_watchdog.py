@@ -95,7 +95,7 @@ class _SleepAt(L.Callback):
         self.step, self.seconds = step, seconds
 
     def on_train_batch_end(self, trainer, pl_module, *args, **kwargs):
-        if pl_module.model_step == self.step:
+        if pl_module.train_state.model_step == self.step:
             time.sleep(self.seconds)
 
 

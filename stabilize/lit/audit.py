@@ -65,12 +65,12 @@ class NormAudit(L.Callback):
         # Once per model step: a rollback rewinds the model step to its snapshot's, whose
         # state (weights restored) was audited already, and a rollback to step 0 would add
         # an audit of the initial weights that a run without rollback never has.
-        step = pl_module.model_step
+        step = pl_module.train_state.model_step
         if self.cfg.every and step > 0 and step % self.cfg.every == 0 and step not in self._done:
             self.audit(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module):
-        if pl_module.model_step not in self._done:
+        if pl_module.train_state.model_step not in self._done:
             self.audit(trainer, pl_module)
 
     @torch.no_grad()
@@ -138,7 +138,7 @@ class NormAudit(L.Callback):
         return out
 
     def audit(self, trainer, pl_module) -> dict | None:
-        self._done.add(pl_module.model_step)
+        self._done.add(pl_module.train_state.model_step)
         # rank 0 alone cannot run a sharded model's forward (each block all-gathers its
         # parameters from every rank), nor call a norm whose gamma is a shard: not audited
         if not trainer.is_global_zero or is_sharded(pl_module.model):
@@ -162,7 +162,7 @@ class NormAudit(L.Callback):
             "nonfinite_share": sum(v["nonfinite"] for v in per_norm.values()) / rows,
         }
         record = {
-            "step": pl_module.model_step,
+            "step": pl_module.train_state.model_step,
             "global_step": trainer.global_step,
             **summary,
             "norms": per_norm,

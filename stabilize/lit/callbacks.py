@@ -95,8 +95,8 @@ class ReplicaCheck(L.Callback):
     def on_train_end(self, trainer, pl_module):
         mine = {
             "digest": params_digest(pl_module.model),
-            "data_step": pl_module.data_step,
-            "model_step": pl_module.model_step,
+            "data_step": pl_module.train_state.data_step,
+            "model_step": pl_module.train_state.model_step,
         }
         ranks = [mine]
         if trainer.world_size > 1:
@@ -125,5 +125,5 @@ class StopAtModelStep(L.Callback):
         self.steps = steps
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if pl_module.model_step >= self.steps:
+        if pl_module.train_state.model_step >= self.steps:
             trainer.should_stop = True

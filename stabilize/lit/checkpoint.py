@@ -86,10 +86,10 @@ class PeriodicCheckpoint(Checkpoint):
         self._saved: tuple[int, int] | None = None  # (model, global) step of the last save
 
     def on_train_start(self, trainer, pl_module):
-        self._seen = pl_module.model_step
+        self._seen = pl_module.train_state.model_step
 
     def on_train_batch_end(self, trainer, pl_module, *args, **kwargs):
-        step = pl_module.model_step
+        step = pl_module.train_state.model_step
         moved, self._seen = step != self._seen, step  # an optimizer step, or a rollback
         if moved and step % self.every == 0:
             # last.ckpt first: a kill between the two writes leaves last.ckpt the newest
@@ -101,13 +101,13 @@ class PeriodicCheckpoint(Checkpoint):
                     remove_checkpoint(old)
 
     def on_train_end(self, trainer, pl_module):
-        if self._saved != (pl_module.model_step, trainer.global_step):
+        if self._saved != (pl_module.train_state.model_step, trainer.global_step):
             self._save_last(trainer, pl_module)
 
     def _save_last(self, trainer, pl_module) -> None:
         # weights_only=False: the whole state (optimizer, loops), not the weights alone
         trainer.save_checkpoint(self.dirpath / LAST, weights_only=False)
-        self._saved = (pl_module.model_step, trainer.global_step)
+        self._saved = (pl_module.train_state.model_step, trainer.global_step)
 
 
 def newest_intact(ckpt_dir: Path, say: Callable[[str], None] = warn) -> Path | None:

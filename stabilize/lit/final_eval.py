@@ -90,7 +90,7 @@ def held_out_score(
         "batches": n,
         "held_out_blocks": len(blocks),
         "whole": n == n_all,  # every held-out block scored (not the first final_eval_batches)
-        "model_step": module.model_step,
+        "model_step": module.train_state.model_step,
     }
 
 

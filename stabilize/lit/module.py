@@ -1,6 +1,7 @@
 """The LightningModule: loss, AdamW with decoupled weight decay, warmup + cosine, clipping.
 
-Two step counters live here besides Lightning's ``global_step``:
+Two step counters live in ``train_state`` (rollback/state.py) besides Lightning's
+``global_step``:
 - ``model_step``: optimizer steps the *model* has taken. It is what the LR schedule, the
   logs (``train/step``) and, later, rollbacks speak of: Lightning's loop counters never
   rewind (Lightning issue #13099), the model's step does.
@@ -36,6 +37,7 @@ from stabilize.model import GPT, set_activation_checkpointing
 from stabilize.model.logits import lm_loss
 from stabilize.norms import Norm
 from stabilize.rollback.remedies import lr_scale_at
+from stabilize.rollback.state import TrainState
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -82,8 +84,10 @@ class GPTLitModule(L.LightningModule):
         super().__init__()
         self.cfg = cfg
         self.model = GPT(cfg.model)
-        self.model_step = 0
-        self.data_step = 0
+        # the state the harness owns beside Lightning's (model/data step, LR scale, remedies,
+        # skipped positions): shared with the stability callback, the rollback and the
+        # remedies, and saved in checkpoints (rollback/state.py)
+        self.train_state = TrainState(self.model)
         self.grad_norm: torch.Tensor | None = None  # last pre-clip total norm, on device
         self._loader_cache = None
         self._loss: torch.Tensor | None = None  # last micro-batch loss, logged on log steps
@@ -93,18 +97,9 @@ class GPTLitModule(L.LightningModule):
         self.micro = 0  # fresh micro-batches of the current optimizer step trained so far
         self._uncount = False  # the last batch was stale: take it off Lightning's counters
         self._window_end = False  # this batch ended an accumulation window (logged then)
-        self.skip_step = False  # set by the stability callback: this step is not applied
         self._grad_norm_at = -1
         self._batches_seen = 0  # every batch trained on, never rewound (a cache key)
-        # Set by the stability callback; remedies persist in checkpoints.
-        self.injector = None
-        self.lr_scale = 1.0
-        self.lr_since: int | None = None  # model step of the last rollback with the LR lowered
-        self.remedies: list[str] = []
-        # data positions never trained on (a data-linked fault's batches, skip_batch): the
-        # sampler steps over them, and the position counter with it
-        self.skipped: set[int] = set()
-        self.fault_batches: list[int] = []  # set by the rollback for a skip_batch remedy
+        self.injector = None  # the fault injector, set by the stability callback
 
     def configure_model(self) -> None:
         if self.cfg.trainer.activation_checkpointing:  # before compile: traced with it
@@ -122,7 +117,7 @@ class GPTLitModule(L.LightningModule):
     # ---- data ---------------------------------------------------------------------------
     def _loaders(self):
         """Both loaders, built once per data position (the corpus is tokenized once)."""
-        if self._loader_cache is not None and self._loader_cache[0] == self.data_step:
+        if self._loader_cache is not None and self._loader_cache[0] == self.train_state.data_step:
             return self._loader_cache[1]
         t = self.trainer
         loaders = build_dataloaders(
@@ -130,13 +125,15 @@ class GPTLitModule(L.LightningModule):
             self.cfg.model.block_size,
             rank=t.global_rank,
             world_size=t.world_size,
-            start_step=self.data_step,
+            start_step=self.train_state.data_step,
             num_steps=None,  # unbounded: rollbacks and data skips need more than max_steps
             val_batches=self.cfg.trainer.limit_val_batches,
             tagged=True,
         )
-        loaders[0].batch_sampler.skip = self.skipped  # the same set: later skips apply too
-        self._loader_cache = (self.data_step, loaders)
+        loaders[
+            0
+        ].batch_sampler.skip = self.train_state.skipped  # the same set: later skips apply too
+        self._loader_cache = (self.train_state.data_step, loaders)
         return loaders
 
     def train_dataloader(self):
@@ -144,18 +141,12 @@ class GPTLitModule(L.LightningModule):
 
     def seek_data(self, data_step: int) -> None:
         """Make the train loader continue from ``data_step`` (after a rollback or skip)."""
-        self.data_step = self.next_position(data_step)
-        self._loader_cache[1][0].batch_sampler.seek(self.data_step)
+        self.train_state.data_step = self.train_state.next_position(data_step)
+        self._loader_cache[1][0].batch_sampler.seek(self.train_state.data_step)
 
     def train_sampler(self):
         """The trainer's own train batch sampler (``StepSampler``: positions -> items)."""
         return self._loader_cache[1][0].batch_sampler
-
-    def next_position(self, data_step: int) -> int:
-        """The first data position at or after ``data_step`` that is not skipped."""
-        while data_step in self.skipped:
-            data_step += 1
-        return data_step
 
     def batch_at(self, data_step: int):
         """This rank's (x, y) micro-batch at data position ``data_step``, on the device (a
@@ -213,7 +204,7 @@ class GPTLitModule(L.LightningModule):
             x, y, steps = batch  # steps: [B] CPU tensor, the data step of the batch
             self._batch_step = int(steps[0])
             # fetched ahead before a rollback moved the data position: not trained on
-            self.stale_batch = self._batch_step != self.data_step
+            self.stale_batch = self._batch_step != self.train_state.data_step
             # with accumulation a stale batch is uncounted (with A = 1 it is a window of its
             # own, as it always was: optimizer_step drops it)
             self._uncount = self.stale_batch and self.cfg.optim.accumulate_grad_batches > 1
@@ -226,7 +217,7 @@ class GPTLitModule(L.LightningModule):
         # RNG state to save (creating a DataLoader iterator after a restore draws from the
         # global generator, which would otherwise shift every later mask). Only the
         # generators in use are seeded: torch.manual_seed also walks every other backend.
-        self.seed_dropout(self.data_step)
+        self.seed_dropout(self.train_state.data_step)
 
     def seed_dropout(self, data_step: int) -> None:
         """Dropout's generators from (seed, data position, rank) (a replay re-seeds too)."""
@@ -243,15 +234,15 @@ class GPTLitModule(L.LightningModule):
             # optimizer_step applies nothing.
             return self.loss(batch) * 0.0
         if self.injector is not None:
-            self.injector.begin(self.model_step + 1, self.data_step)
+            self.injector.begin(self.train_state.model_step + 1, self.train_state.data_step)
         loss = self.loss(batch)
         if self.injector is not None:
-            loss = self.injector.on_loss(self.model_step + 1, loss)
-            self.injector.arm(self.model_step + 1, self.model)
+            loss = self.injector.on_loss(self.train_state.model_step + 1, loss)
+            self.injector.arm(self.train_state.model_step + 1, self.model)
         if self.micro == 0:
             self.step_loss = None  # the first micro-batch of an optimizer step
         self.micro += 1
-        self.data_step = self.next_position(self.data_step + 1)
+        self.train_state.data_step = self.train_state.next_position(self.train_state.data_step + 1)
         self._batches_seen += 1
         self._loss = loss.detach()
         self.step_loss = self._loss if self.step_loss is None else self.step_loss + self._loss
@@ -276,12 +267,17 @@ class GPTLitModule(L.LightningModule):
         """The remedies' LR scale at the model's step: lower_lr's factors until its healthy
         window has passed, then warming back to 1 (``rollback.remedy.lower_lr``)."""
         cfg = self.cfg.rollback.remedy.get("lower_lr")
-        return lr_scale_at(self.lr_scale, self.lr_since, self.model_step, cfg)
+        return lr_scale_at(
+            self.train_state.lr_scale, self.train_state.lr_since, self.train_state.model_step, cfg
+        )
 
     def lr_multiplier(self) -> float:
         """What the schedule multiplies ``optim.lr`` by at the model's step."""
         o = self.cfg.optim
-        return lr_factor(self.model_step, o, self.cfg.trainer.max_steps) * self.lr_scale_now()
+        return (
+            lr_factor(self.train_state.model_step, o, self.cfg.trainer.max_steps)
+            * self.lr_scale_now()
+        )
 
     def on_validation_epoch_start(self):
         self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -349,20 +345,22 @@ class GPTLitModule(L.LightningModule):
             return
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         self.micro = 0  # the next micro-batch starts the next window
-        if self.skip_step:  # judged bad before it was applied: the rollback restores
-            self.skip_step = False
+        if self.train_state.skip_step:  # judged bad before it was applied: the rollback restores
+            self.train_state.skip_step = False
             return
-        self.model_step += 1
+        self.train_state.model_step += 1
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         window_end, self._window_end = self._window_end, False
         if not window_end:  # mid-window: no optimizer step to speak of yet
             return
-        last = self.model_step >= self.cfg.trainer.max_steps  # the final step is always logged
+        last = (
+            self.train_state.model_step >= self.cfg.trainer.max_steps
+        )  # the final step is always logged
         if self.trainer.global_step % self.trainer.log_every_n_steps and not last:
             return
         stats = {
-            "train/step": float(self.model_step),
+            "train/step": float(self.train_state.model_step),
             "train/lr": self.optimizers().param_groups[0]["lr"],
         }
         if self.step_loss is not None:

@@ -81,7 +81,7 @@ class PreemptOnSignal(Checkpoint):
     def on_train_batch_end(self, trainer, pl_module, *args, **kwargs):
         if not self._agreed(trainer):
             return
-        step = pl_module.model_step
+        step = pl_module.train_state.model_step
         if self.periodic._saved != (step, trainer.global_step):
             self.periodic._save_last(trainer, pl_module)
         path = str(self.periodic.dirpath / "last.ckpt")

@@ -81,18 +81,18 @@ class PlainProgress(L.Callback):
             line = "  ".join(
                 f"{k.split('/')[-1]} {float(m[k]):.4g}" for k in ("val/loss", "val/bpb") if k in m
             )
-            self._print(f"validation @ step {pl_module.model_step}  {line}")
+            self._print(f"validation @ step {pl_module.train_state.model_step}  {line}")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if getattr(pl_module, "stale_batch", False):
             return
         self._tokens += batch[0].numel() * trainer.world_size
         step = trainer.global_step
-        rollbacks = len(getattr(pl_module, "remedies", ()))
+        rollbacks = len(pl_module.train_state.remedies)
         if rollbacks != self._rollbacks:
             self._rollbacks = rollbacks
             return
-        last = pl_module.model_step >= stop_step(pl_module)
+        last = pl_module.train_state.model_step >= stop_step(pl_module)
         if step == self._last or (step % self.every and not last) or step == 0:
             return
         self._last = step
@@ -107,10 +107,12 @@ class PlainProgress(L.Callback):
         # ETA: Lightning steps per second so far (rollbacks' replays included) over the
         # model steps still to go
         done = step - self._g0
-        left = max(stop_step(pl_module) - pl_module.model_step, 0)
+        left = max(stop_step(pl_module) - pl_module.train_state.model_step, 0)
         if done > 0:
             parts.append(f"eta {fmt_duration(left * (now - self._t0) / done)}")
-        self._print(f"step {pl_module.model_step}/{stop_step(pl_module)}  " + "  ".join(parts))
+        self._print(
+            f"step {pl_module.train_state.model_step}/{stop_step(pl_module)}  " + "  ".join(parts)
+        )
 
     def _print(self, line: str) -> None:
         print(line, file=self.stream or sys.stdout, flush=True)
@@ -129,7 +131,7 @@ class StepBar(RichProgressBar):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not self.is_disabled and self.train_progress_bar_id is None:
             self._initialize_train_progress_bar_id()
-        self._update(self.train_progress_bar_id, pl_module.model_step)
+        self._update(self.train_progress_bar_id, pl_module.train_state.model_step)
         if trainer.global_step % trainer.log_every_n_steps == 0:
             self._update_metrics(trainer, pl_module)
         self.refresh()

@@ -119,7 +119,7 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
     return {
         "metrics": metrics,
         "run_dir": str(run_dir),
-        "model_step": module.model_step,
+        "model_step": module.train_state.model_step,
         "global_step": trainer.global_step,
         "resumed_from": ckpt,
         "ended_with": ended_with(module),
@@ -146,13 +146,13 @@ def ended_with(module: GPTLitModule) -> dict[str, Any]:
     reduction dtype(s), the batches the data position skipped past."""
     accum = module.cfg.optim.accumulate_grad_batches
     return {
-        "remedies": list(module.remedies),
+        "remedies": list(module.train_state.remedies),
         "lr_scale": module.lr_scale_now(),  # in force at the end (after any warm-back)
-        "lr_lowered": module.lr_scale,  # lower_lr's factors, warmed back or not
+        "lr_lowered": module.train_state.lr_scale,  # lower_lr's factors, warmed back or not
         "reduction_dtypes": sorted(
             {m.reduction_dtype for m in module.model.modules() if isinstance(m, Norm)}
         ),
-        "batches_skipped": module.data_step - module.model_step * accum,
+        "batches_skipped": module.train_state.data_step - module.train_state.model_step * accum,
     }
 
 
@@ -169,7 +169,7 @@ def _write_result(run_dir: Path, status: str, module, trainer, error: str | None
         return
     result = {
         "status": status,
-        "model_step": module.model_step,
+        "model_step": module.train_state.model_step,
         "global_step": trainer.global_step,
         "error": error,
         "ended_with": ended_with(module),

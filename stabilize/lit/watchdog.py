@@ -125,7 +125,7 @@ class Watchdog(L.Callback):
             self.steps.append(now - self._t_start)
             self.own_steps += 1
         self._t_end = now
-        self.model_step = pl_module.model_step
+        self.model_step = pl_module.train_state.model_step
         self._set(trainer, "end")
         if now - self._written > self._poll:  # the file keeps up with fast steps too
             self._write_beat()

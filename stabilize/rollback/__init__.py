@@ -1,6 +1,7 @@
 """Rollback, trainer-agnostic: snapshots of the last good state (``snapshots``), the
 policy that picks a snapshot and a remedy or gives up (``policy``), and the remedies
-themselves (``remedies``, a registry keyed by the ladder's names). The Lightning side is
+themselves (``remedies``, a registry keyed by the ladder's names), and the training state
+they change (``state.TrainState``). The Lightning side is
 stabilize/lit/stability/controller.py.
 """
 
@@ -8,7 +9,6 @@ from stabilize.rollback.policy import Decision, RollbackConfig, RollbackPolicy
 from stabilize.rollback.remedies import (
     REMEDIES,
     Remedy,
-    TrainState,
     get_remedy,
     reapply_remedies,
     register_remedy,
@@ -23,6 +23,7 @@ from stabilize.rollback.snapshots import (
     save_durable,
     to_cpu,
 )
+from stabilize.rollback.state import TrainState
 
 __all__ = [
     "REMEDIES",

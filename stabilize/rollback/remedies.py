@@ -36,23 +36,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
-
-from torch import nn
+from typing import Any, ClassVar
 
 from stabilize.norms import Norm, set_reduction_dtype
 from stabilize.registry import Registry
+from stabilize.rollback.state import TrainState
 from stabilize.validate import check_positive, check_range
-
-
-class TrainState(Protocol):
-    """What a remedy may change (``GPTLitModule`` has these)."""
-
-    model: nn.Module
-    lr_scale: float  # multiplies the schedule's LR; saved in checkpoints
-    data_step: int  # the data position; saved in checkpoints
-    skipped: set[int]  # data positions never trained on; saved in checkpoints
-    fault_batches: list[int]  # the data positions the fault was found in (set before apply)
 
 
 class Remedy:

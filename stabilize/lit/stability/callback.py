@@ -95,7 +95,7 @@ class StabilityCallback(L.Callback):
             self.injector.load_state_dict(self._fault_state)
         # a data-linked fault's batches stay skipped across launches (in place: the
         # sampler shares the set)
-        pl_module.skipped |= load_skipped(self.run_dir)
+        pl_module.train_state.skipped |= load_skipped(self.run_dir)
         if self.mcfg.enabled:
             self.probe = StabilityProbe(model, lead=HEAD)
         # DDP replicas hold the same state: each rank snapshots 1/world of it (sharded.py)
@@ -144,7 +144,7 @@ class StabilityCallback(L.Callback):
             self._batches, self._positions = [], []
         if not pl_module.stale_batch:
             self._batches.append(batch)
-            self._positions.append(pl_module.data_step)
+            self._positions.append(pl_module.train_state.data_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if pl_module.stale_batch or not (self.mcfg.enabled or self.rollback_on):
@@ -157,7 +157,7 @@ class StabilityCallback(L.Callback):
             self._classify(trainer, pl_module, bad)
         if bad and self.rollback_on:
             optimizer.zero_grad(set_to_none=True)  # nothing of this step is applied
-            pl_module.skip_step = True
+            pl_module.train_state.skip_step = True
         self._pending = (stats, events, bad[0] if bad and self.rollback_on else None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -171,7 +171,7 @@ class StabilityCallback(L.Callback):
             self.sink.emit(trainer, e)
         if fault is not None:
             self._rollback(trainer, pl_module, fault)
-        elif self.rollback_on and pl_module.model_step % self.rcfg.snapshot_every == 0:
+        elif self.rollback_on and pl_module.train_state.model_step % self.rcfg.snapshot_every == 0:
             self._snapshot(trainer, pl_module)
 
     # ---- the parts (methods, so that a benchmark can time each one) ------------------------
@@ -179,7 +179,7 @@ class StabilityCallback(L.Callback):
         """One vector, one collective, one host transfer (with every rank's parameter
         fingerprint every ``monitor.replicas.every`` steps)."""
         n = 0 if _sharded(trainer) else self.replicas_every  # shards differ by design
-        due = bool(n) and trainer.world_size > 1 and (pl_module.model_step + 1) % n == 0
+        due = bool(n) and trainer.world_size > 1 and (pl_module.train_state.model_step + 1) % n == 0
         return self.gather(trainer, pl_module, optimizer, self.probe, replicas=due)
 
     def _classify(self, trainer, pl_module, bad: list[Event]) -> None:

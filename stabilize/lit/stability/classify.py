@@ -98,7 +98,7 @@ class Classifier:
         # the same batches fail again from the same weights: do other batches?
         nxt, p = [], positions[-1] + 1
         while len(nxt) < len(positions):
-            p = pl_module.next_position(p)
+            p = pl_module.train_state.next_position(p)
             nxt.append(p)
             p += 1
         other = [pl_module.batch_at(q) for q in nxt]

@@ -87,12 +87,12 @@ class RollbackController:
             **self.sharder.capture(parts, old, opt),
             "scheduler": to_cpu(sched.state_dict()),
             "scaler": scaler.state_dict() if scaler is not None else None,
-            "model_step": pl_module.model_step,
-            "data_step": pl_module.data_step,
+            "model_step": pl_module.train_state.model_step,
+            "data_step": pl_module.train_state.data_step,
             "monitors": to_cpu(self.suite.state_dict()),
             "fault": self.injector.snapshot_state() if self.injector else None,
         }
-        snap = Snapshot(pl_module.model_step, state)
+        snap = Snapshot(pl_module.train_state.model_step, state)
         self.ring.push(snap)
         every = self.cfg.durable_every
         if every and snap.step % every == 0:  # rank 0 the whole state; FSDP: every shard
@@ -123,7 +123,7 @@ class RollbackController:
         for a diagnosis."""
 
         def unchanged(rung: str) -> str | None:
-            return get_remedy(rung).unchanged(pl_module, self.cfg.remedy.get(rung))
+            return get_remedy(rung).unchanged(pl_module.train_state, self.cfg.remedy.get(rung))
 
         decision = self.policy.decide(event, self.ring, unchanged)
         if decision.action == "abort":
@@ -133,22 +133,25 @@ class RollbackController:
         self.restore(trainer, pl_module, st)
         if self.injector is not None and st["fault"] is not None:
             self.injector.on_rollback(st["fault"])
-        pl_module.model_step, pl_module.data_step = st["model_step"], st["data_step"]
+        pl_module.train_state.model_step, pl_module.train_state.data_step = (
+            st["model_step"],
+            st["data_step"],
+        )
         cls = event.extra.get("class")
-        pl_module.fault_batches = list(event.extra.get("batches", []))
-        did = get_remedy(remedy).apply(pl_module, self.cfg.remedy.get(remedy))
+        pl_module.train_state.fault_batches = list(event.extra.get("batches", []))
+        did = get_remedy(remedy).apply(pl_module.train_state, self.cfg.remedy.get(remedy))
         if decision.skipped:  # rungs that would have changed nothing: said, not applied
             did = {**did, "skipped": {r: why for r, why in decision.skipped}}
-        if pl_module.lr_scale < 1.0:  # a lowered LR's healthy window starts again here
-            pl_module.lr_since = pl_module.model_step
+        if pl_module.train_state.lr_scale < 1.0:  # a lowered LR's healthy window starts again here
+            pl_module.train_state.lr_since = pl_module.train_state.model_step
         if cls == "transient":
             self.transients.update(event.extra.get("ranks", []))
             did = {**did, "transients_per_rank": dict(self.transients)}
         if "skipped_batches" in did:
             self._record_skipped(trainer, pl_module)
         pl_module.apply_lr()  # remedies so far stay applied, on the restored step
-        pl_module.remedies.append(remedy)
-        pl_module.seek_data(pl_module.data_step)
+        pl_module.train_state.remedies.append(remedy)
+        pl_module.seek_data(pl_module.train_state.data_step)
         trainer.optimizers[0].zero_grad(set_to_none=True)
         self.ring.drop_after(snap.step)
         self.sink.emit(
@@ -175,7 +178,7 @@ class RollbackController:
                 "data_step": p,
                 "items": [sampler.batch_for_step(p, r) for r in range(trainer.world_size)],
             }
-            for p in sorted(pl_module.skipped)
+            for p in sorted(pl_module.train_state.skipped)
         ]
         (self.run_dir / SKIPPED).write_text(json.dumps({"batches": batches}, indent=1))
 
@@ -191,7 +194,7 @@ class RollbackController:
             "act_max_top": top,
             "forecast_steps_left": dict(sorted(forecast.items(), key=lambda kv: kv[1])[:5]),
             "rollbacks": self.policy.history,
-            "remedies": list(pl_module.remedies),
+            "remedies": list(pl_module.train_state.remedies),
         }
         self.sink.emit(
             trainer,

@@ -142,7 +142,7 @@ class StepGather:
         named = probe.unpack(host[nh : nh + nm], counts) if probe else {}
         fps = [r[2] for r in self.ranks]
         return StepStats(
-            step=pl_module.model_step + 1,
+            step=pl_module.train_state.model_step + 1,
             loss=loss_v,
             grad_norm=gnorm,
             loss_scale=sc if sc >= 0 else None,

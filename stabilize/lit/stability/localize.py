@@ -91,7 +91,7 @@ def replay(trainer, pl_module, batches, positions, *, trace: bool = False) -> di
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scale_t = getattr(scaler, "_scale", None) if scaler is not None else None
     scale = float(scale_t) if scale_t is not None else 1.0
-    step, n = pl_module.model_step + 1, len(batches)
+    step, n = pl_module.train_state.model_step + 1, len(batches)
     tr = _Trace(model) if trace else None
     losses = []
     try:

@@ -1,0 +1,67 @@
+"""``TrainState``: the training state the harness owns beside Lightning's, in one object.
+
+The LightningModule (``GPTLitModule.train_state``), the stability callback, the rollback
+controller and the remedies all read and write this one object, and a checkpoint saves
+exactly its ``state_dict()`` (``checkpoint["stabilize"]``, with the run's config beside it).
+Lightning's own loop counters are not in it: they never rewind (a rollback moves
+``model_step`` back, ``trainer.global_step`` goes on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(eq=False)
+class TrainState:
+    model: nn.Module = field(repr=False)
+    """The model a remedy may change (norm dtypes, z-loss weight); not saved here."""
+    model_step: int = 0
+    """Optimizer steps applied to the weights (rewound by a rollback)."""
+    data_step: int = 0
+    """The next data position to train on (each position is one micro-batch per rank)."""
+    lr_scale: float = 1.0
+    """Multiplies the schedule's LR (``lower_lr`` lowers it)."""
+    lr_since: int | None = None
+    """Model step of the last rollback with the LR lowered (its warm-back starts there)."""
+    remedies: list[str] = field(default_factory=list)
+    """Every remedy applied, one entry per application, in order."""
+    skipped: set[int] = field(default_factory=set)
+    """Data positions never trained on. The train sampler holds this very set: change it in
+    place."""
+    fault_batches: list[int] = field(default_factory=list)
+    """The data positions the fault being answered was found in (set before a remedy)."""
+    skip_step: bool = False
+    """Set by the stability callback: the step in flight is judged bad and is not applied."""
+
+    def next_position(self, data_step: int) -> int:
+        """The first data position at or after ``data_step`` that is not skipped."""
+        while data_step in self.skipped:
+            data_step += 1
+        return data_step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model_step": self.model_step,
+            "data_step": self.data_step,
+            "lr_scale": self.lr_scale,
+            "lr_since": self.lr_since,
+            "remedies": list(self.remedies),
+            "z_loss": float(self.model.z_loss),  # the z_loss remedy may have switched it on
+            "skipped": sorted(self.skipped),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], z_loss: float) -> None:
+        """``z_loss``: the configured weight, for a checkpoint written before it was saved.
+        What the state dict cannot hold (a norm's reduction dtype) is the remedies' to
+        re-apply (``rollback.reapply_remedies``)."""
+        self.model_step = state["model_step"]
+        self.lr_scale = state.get("lr_scale", 1.0)
+        self.lr_since = state.get("lr_since")
+        self.remedies = list(state.get("remedies", []))
+        self.model.z_loss = state.get("z_loss", z_loss)
+        self.skipped |= set(state.get("skipped", []))  # in place (the sampler's set)
+        self.data_step = self.next_position(state["data_step"])
