@@ -1,25 +1,25 @@
-"""Score the activation monitor's forecast on a labelled set of real tiny runs.
+"""Score the activation monitor's forecast on a labelled set of real runs.
 
-    python scripts/eval_forecast.py [--quick] [--save runs.json | --load runs.json]
-                                    [--horizon N] [--set monitor.activation.KEY=VALUE ...]
+    python scripts/eval_forecast.py [--quick | --core] [--save runs.json | --load runs.json]
+                                    [--set monitor.activation.KEY=VALUE ...] [--doc DOC]
 
-The set: natural growth (the ``nan_repro_natural`` recipe, no injection, LR 1e-2 / 3e-2 /
-1e-1 x 3 seeds x pre/post placement; 40 steps, 80 at LR 1e-2, which grows slowest), the
-injected drift (``activation_drift``: one outlier channel, and all channels), and healthy
-runs (LR 2e-3, no fault; fp32, and fp16 with eps 1e-3 as the main job's large_eps arm). The
-others are fp32 with the ``explicit`` norm backend reducing in fp32: nothing overflows, so a
-run goes on past its crossings; the probe measures each norm's largest row RMS; the lines
-are the ones an fp16 reduction would cross (|x| max 256, row RMS 255.94/sqrt(D)).
+The set (scripts/forecast_set.py): natural growth (``nan_repro_natural``, no injection, at
+LR 1e-2 / 3e-2 / 1e-1), the injected drift (``activation_drift``) and healthy runs, on every
+placement (pre, post, sandwich, DeepNorm), two widths and depths, three norm types, two
+corpora, fp32 and a real fp16 reduction; ``--core`` is the first 24 runs (tiny, pre/post),
+on which the forecast's settings were chosen. The fp32 runs reduce in fp32 with the
+``explicit`` backend: nothing overflows, so a run goes on past its crossings; the lines are
+the ones an fp16 reduction would cross (|x| max 256, row RMS 255.94/sqrt(D)).
 
 Ground truth does not come from the monitors: float64 hooks on every norm's input and every
 block's output measure |x| max and the largest row RMS of each training step. The forecast
 is the ``ActivationMonitor`` a run builds (``line=fp16_square``), fed the run's recorded
 per-step ``StepStats``: the monitor is a function of those alone, so replaying them gives
 the events the live run would have logged, and other settings can be scored without
-retraining (``--load``). Prints one markdown table (stabilize/monitors/forecast_score.py),
-and the natural runs again by learning rate. The full set is 24 runs (``--quick``: 4): about
-2 minutes on a quiet machine; on a shared one use ``nice -n 10`` and ``--save`` (an
-interrupted set resumes from it).
+retraining (``--load``). Prints markdown tables (stabilize/monitors/forecast_score.py) by
+kind of run, placement, precision and the other axes, and the targets each placement and
+precision misses (exit 1 when one is missed). ``--save`` keeps every finished run: an
+interrupted set resumes from it. ``--doc docs/forecast.md`` writes the tables there.
 """
 
 from __future__ import annotations
@@ -41,62 +41,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from stabilize.monitors.activations import ActivationConfig, ActivationMonitor  # noqa: E402
-from stabilize.monitors.events import StepStats  # noqa: E402
-from stabilize.monitors.forecast_score import RunScore, first_crossings, table  # noqa: E402
+from stabilize.monitors.activations import ActivationConfig  # noqa: E402
+from stabilize.monitors.forecast_score import (  # noqa: E402
+    RunScore,
+    first_crossings,
+)
 from stabilize.norms import Norm  # noqa: E402
-from stabilize.numerics import sum_of_squares_rms_limit  # noqa: E402
 
-BASE = [
-    "experiment=nan_repro_natural",
-    "precision=fp32",
-    "norm.reduction_dtype=fp32",
-    "norm.backend=explicit",  # reports each norm's largest row RMS
-    "logger=none",
-    "rollback=off",
-    "trainer.val_check_interval=100000",
-    "trainer.limit_val_batches=0",
-    "trainer.checkpoint_every_n_steps=100000",
-    "trainer.progress=none",
-    "audit.every=0",
-]
-
-
-def recipes(quick: bool) -> list[tuple[str, str, list[str]]]:
-    """(group, name, overrides) of every run of the set, interleaved so that a set cut short
-    (``--save`` keeps every finished run) still holds every group."""
-    drift = [
-        "fault=activation_drift", "optim.lr=2e-3", "fault.layer=0", "fault.step=8",
-        "fault.target_step=null", "fault.cross_step=32", "fault.target=1e5",
-        "trainer.max_steps=50",
-    ]  # fmt: skip
-
-    def natural(lr, place, seed):
-        ov = [f"optim.lr={lr}", f"norm.placement={place}", f"seed={seed}"]
-        # LR 1e-2 grows slowest: 80 steps, so that its warnings' horizons mostly end in the run
-        ov.append(f"trainer.max_steps={80 if lr < 2e-2 else 40}")
-        return ("natural", f"lr{lr:g}-{place}-s{seed}", ov)
-
-    def injected(channels):  # one outlier channel; all channels (spread growth)
-        return ("injected", f"drift-ch{channels}", [*drift, f"fault.channels={channels}"])
-
-    def healthy(place, fp16=False):  # fp16: the main job's large_eps arm before its drift
-        ov = ["optim.lr=2e-3", f"norm.placement={place}", "trainer.max_steps=80"]
-        if fp16:
-            ov += ["precision=fp16-mixed", "norm.reduction_dtype=fp16", "norm.eps=1e-3"]
-        return ("healthy", f"lr2e-3-{place}" + ("-fp16-eps1e-3" if fp16 else ""), ov)
-
-    if quick:
-        return [natural(3e-2, "pre", 1), injected("1"), healthy("pre"), natural(1e-1, "post", 1)]
-    out = [
-        natural(1e-2, "pre", 1), natural(1e-2, "post", 1), natural(3e-2, "pre", 1),
-        injected("1"), healthy("pre"), natural(1e-1, "pre", 1), injected("null"),
-        natural(1e-1, "post", 1), natural(3e-2, "post", 1), healthy("post"),
-    ]  # fmt: skip
-    for seed in (2, 3):
-        for lr in (1e-2, 3e-2, 1e-1):
-            out += [natural(lr, place, seed) for place in ("pre", "post")]
-    return out + [healthy("pre", fp16=True), healthy("post", fp16=True)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from docblock import commit, cpu, replace_block  # noqa: E402
+from forecast_set import BASE, CODE, code_corpus, core, tags, wide  # noqa: E402
+from forecast_tables import report, score, truth_units  # noqa: E402
 
 
 class Recorder(L.Callback):
@@ -167,6 +122,7 @@ def record(group: str, name: str, overrides: list[str], root: Path) -> dict:
     from stabilize.train import run
 
     run_dir = root / name
+    overrides = [o.replace(CODE, str(code_corpus(root / "code.txt"))) for o in overrides]
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         keys = {o.split("=")[0] for o in overrides}  # a recipe's own value replaces BASE's
         base = [o for o in BASE if o.split("=")[0] not in keys]
@@ -180,47 +136,19 @@ def record(group: str, name: str, overrides: list[str], root: Path) -> dict:
     return {"group": group, "name": name, "dims": rec.dims, "alias": rec.alias, "steps": rec.steps}
 
 
-def truth_units(r: dict, threshold: float) -> dict[int, dict]:
-    """step -> layer -> (float64 value / line, 1): the nearer of the layer's lines (|x| max vs
-    ``threshold``; a norm's largest row RMS vs 255.94/sqrt(D)), either of which overflows a
-    16-bit reduction of that tensor. Aliased blocks (a pre-norm block's output is the next
-    norm's input) are left to their norm."""
-    out = {}
-    for st in r["steps"]:
-        units = {}
-        for layer, (amax, rms) in st["truth"].items():
-            if layer in r["alias"]:
-                continue
-            ratio = amax / threshold
-            if layer in r["dims"]:
-                ratio = max(ratio, rms / sum_of_squares_rms_limit(torch.float16, r["dims"][layer]))
-            units[layer] = (ratio, 1.0)
-        out[st["stats"]["step"]] = units
-    return out
-
-
-def replay(r: dict, cfg: ActivationConfig) -> list[tuple[str, int]]:
-    """The forecast warnings the run's monitor logs, as (layer, step)."""
-    mon = ActivationMonitor.from_config("activation", cfg)
-    alias = r["alias"]
-    out = []
-    for st in r["steps"]:
-        d = dict(st["stats"])
-        d.setdefault("norm_dim", r["dims"])
-        for e in mon.update(StepStats(**d)):
-            if e.monitor == "forecast" and e.kind == "warn" and e.layer not in alias:
-                out.append((e.layer, e.step))
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a smaller set (~3 min)")
+    p.add_argument("--quick", action="store_true", help="4 runs of the core set (~1 min)")
+    p.add_argument("--core", action="store_true", help="the core set only (24 runs)")
     p.add_argument("--save", type=Path, help="write the recorded runs here (JSON; runs already "
                    "in it are kept, not rerun)")  # fmt: skip
     p.add_argument("--load", type=Path, help="score runs recorded by --save; no training")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a monitor.activation setting for the forecast (repeatable)")  # fmt: skip
+    p.add_argument("--doc", type=Path, help="also write the tables into this doc, between its "
+                   "<!-- eval_forecast:begin/end --> markers")  # fmt: skip
+    p.add_argument("--sweep", action="store_true", help="also score the settings of "
+                   "forecast_set.SWEEP, one changed at a time: the trade-off table")  # fmt: skip
     args = p.parse_args(argv)
     settings = {"line": "fp16_square"}
     for kv in args.set:
@@ -233,6 +161,8 @@ def main(argv=None) -> int:
         settings[key] = _parse(value, type(getattr(ActivationConfig(), key)))
     cfg = ActivationConfig(**settings)
     t0 = time.time()
+    plan = core(args.quick) + ([] if args.quick or args.core else wide())
+    in_core = {name for _, name, _ in core()}
     if args.load:
         runs = json.loads(args.load.read_text())
     else:
@@ -240,48 +170,38 @@ def main(argv=None) -> int:
         runs = json.loads(args.save.read_text()) if args.save and args.save.exists() else []
         done = {r["name"] for r in runs}
         with tempfile.TemporaryDirectory(prefix="eval_forecast-") as tmp:
-            for i, (group, name, ov) in enumerate(recipes(args.quick)):
+            for i, (group, name, ov) in enumerate(plan):
                 if name in done:
                     continue
-                print(f"[{i + 1}] {group} {name} ({time.time() - t0:.0f} s)", file=sys.stderr)
-                runs.append(record(group, name, ov, Path(tmp)))
+                print(f"[{i + 1}/{len(plan)}] {group} {name} ({time.time() - t0:.0f} s)",
+                      file=sys.stderr)  # fmt: skip
+                runs.append({**record(group, name, ov, Path(tmp)), "tags": tags(ov)})
                 if args.save:  # after every run: a long set interrupted keeps what it made
                     args.save.write_text(json.dumps(runs))
-    scores = []
-    for r in runs:
-        truth = truth_units(r, cfg.threshold)
-        scores.append(
-            RunScore(
-                r["name"],
-                r["group"],
-                len(r["steps"]),
-                first_crossings(truth),
-                replay(r, cfg),
-                cfg.horizon,
-                first=cfg.forecast_start,
-            )  # fmt: skip
-        )
-    print(f"forecast: {', '.join(f'{k}={v}' for k, v in settings.items())}, horizon "
-          f"{cfg.horizon}; {len(runs)} runs, {time.time() - t0:.0f} s")  # fmt: skip
-    print(table(scores))
-    by_lr = [  # the same runs regrouped (the counts are made again, from zero)
-        dataclasses.replace(s, group=f"natural lr {s.name.split('-')[0][2:]}", timely={},
-                            true_warnings=0, undetermined=0)
-        for s in scores if s.group == "natural"
-    ]  # fmt: skip
-    if by_lr:  # where the natural misses are: the early crossings of the highest LR
-        print("\nnatural growth by learning rate:")
-        print(table(by_lr).replace("| all but healthy |", "| natural, all |"))
-    print(
-        f"warnable: crossings at step >= {cfg.forecast_start + 5} (the first forecast is at "
-        f"step {cfg.forecast_start}, 5 steps ahead of it)"
-    )
+    ovs = {name: ov for _, name, ov in plan}
+    tag = {r["name"]: {**r.get("tags", tags(ovs.get(r["name"], []))),
+                       "set": "core" if r["name"] in in_core else "wide"}
+           for r in runs}  # fmt: skip
+    crossings = {r["name"]: first_crossings(truth_units(r, cfg.threshold)) for r in runs}
+    text, misses = report(runs, settings, tag, crossings, args.sweep, time.time() - t0)
+    print(text)
+    scores = score(runs, cfg, crossings)
     for s in scores:
         missed = sorted((c, u) for u, c in s.crossings.items() if u not in s.timely)
         if missed or len(s.warnings) > s.true_warnings:
             false = [w for w in s.warnings if not _followed(w, s)]
             print(f"  {s.name}: missed {missed[:4]}; false warnings {false[:4]}", file=sys.stderr)
-    return 0
+    if args.doc:
+        cmd = "python scripts/eval_forecast.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]
+        )
+        body = (f"Measured by `{cmd.strip()}` at commit {commit()}, on {cpu()}. Written by the "
+                "script: do not edit by hand.\n\n" + text)  # fmt: skip
+        err = replace_block(args.doc, "eval_forecast", body)
+        if err:
+            print(f"eval_forecast.py: {err}", file=sys.stderr)
+            return 2
+    return 0 if not misses else 1
 
 
 def _parse(value: str, kind: type):

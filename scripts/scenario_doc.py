@@ -12,13 +12,13 @@ Nothing is copied by hand, so the doc cannot drift from a run.
 from __future__ import annotations
 
 import argparse
-import platform
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-BEGIN, END = "<!-- measured:begin -->", "<!-- measured:end -->"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from docblock import commit, cpu, replace_block  # noqa: E402
+
 SECTIONS = ("## Per arm", "## Against the reference", "## Conclusions")
 
 
@@ -27,23 +27,6 @@ def _section(report: str, title: str) -> str:
     start = report.index(title)
     nxt = report.find("\n## ", start + len(title))
     return report[start : nxt if nxt >= 0 else len(report)].strip()
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _commit() -> str:
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "stabilize", "configs"],
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return (r.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
 def measured_block(out: Path, command: str) -> str:
@@ -57,14 +40,14 @@ def measured_block(out: Path, command: str) -> str:
             wall = wall or next(iter(re.findall(r"^scenario done in .*$", text, re.M)), "")
     threads = re.search(r"(\d+) thread\(s\) each", plan)
     head = [
-        f"Measured by `{command}` at commit {_commit()}, on {_cpu()} "
+        f"Measured by `{command}` at commit {commit()}, on {cpu()} "
         f"({threads.group(1) if threads else '?'} thread(s) per run); "
         + (wall.split(";")[0] if wall else "wall time not recorded")
         + ".",
         "Written by `scripts/scenario_doc.py` from that run's `report.md`: do not edit by hand.",
     ]
     body = [_section(report, t).replace("## ", "### ", 1) for t in SECTIONS if t in report]
-    return "\n\n".join([BEGIN, *head, *body, END])
+    return "\n\n".join([*head, *body])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,12 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             f"scenario_doc.py: {out}/report.md does not exist (run repro_nan.sh)", file=sys.stderr
         )
         return 2
-    text = doc.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"scenario_doc.py: {doc} has no {BEGIN} ... {END} markers", file=sys.stderr)
+    err = replace_block(doc, "measured", measured_block(out, a.command))
+    if err:
+        print(f"scenario_doc.py: {err}", file=sys.stderr)
         return 2
-    block = measured_block(out, a.command)
-    doc.write_text(text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :])
     print(f"scenario_doc.py: {doc} updated from {out}/report.md")
     return 0
 

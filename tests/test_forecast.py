@@ -104,6 +104,40 @@ def test_first_significant_solves_the_pessimistic_path_by_hand():
     assert first_significant(0.1, 0.0, 0.1, 2.0, 100) == 0.0  # already past
 
 
+def test_a_wandering_rate_needs_more_margin_by_hand():
+    """tau > 0: the path is level + slope h - z sqrt(sigma^2 h + tau^2 h^3 / 3), read step by
+    step; the first h where it reaches 0, computed here in float64."""
+    level, slope, sigma, z, tau = -2.0, 0.25, 0.1, 2.0, 0.02
+    h = np.arange(1, 101, dtype=np.float64)
+    path = level + slope * h - z * np.sqrt(sigma**2 * h + tau**2 * h**3 / 3)
+    want = float(h[np.argmax(path >= 0)])
+    got = first_significant(level, slope, sigma, z, 100, tau=tau)
+    assert got == want and got > first_significant(level, slope, sigma, z, 100)
+
+
+def test_the_slowed_distance_is_scaled_and_a_confirmed_warning_comes_later():
+    """``forecast_slowing`` scales only the warning's second distance ("~M if it slows");
+    ``forecast_confirm`` = k warns k - 1 steps after k = 1 on a steady climb."""
+    v = series(60, 2.0, 1.15, 0.03, 1)
+
+    def first(**kw):
+        mon = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square", **kw))
+        for i, x in enumerate(v):
+            for e in mon.update(StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(x)})):
+                if e.monitor == "forecast":
+                    return e
+
+    plain, scaled = first(forecast_slowing=1.0), first(forecast_slowing=2.5)
+    assert (plain.step, plain.value) == (scaled.step, scaled.value)
+    assert scaled.extra["if_slowing"] == pytest.approx(2.5 * scaled.value)
+    assert (
+        f"in ~{scaled.value:.0f} steps at this rate, ~{2.5 * scaled.value:.0f} if" in scaled.message
+    )
+    # a steady climb: the projection at this rate is the calibrated one, in float64
+    assert abs(crossing(v, 256.0) - plain.step - plain.value) <= 3
+    assert first(forecast_confirm=3).step == plain.step + 2
+
+
 def test_forecaster_state_round_trips_mid_series():
     v = series(30, 2.0, 1.2, 0.03)
     a, b = LineForecaster(), LineForecaster()

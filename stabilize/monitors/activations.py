@@ -22,7 +22,7 @@ import torch
 from stabilize.monitors.events import INFO, ROLLBACK, WARN, Event, StepStats
 from stabilize.monitors.forecast import LineForecaster, Projection, theil_sen_slope  # noqa: F401
 from stabilize.numerics import DANGER_LINE, sum_of_squares_rms_limit
-from stabilize.validate import check_choice, check_positive
+from stabilize.validate import check_choice, check_positive, check_range
 
 LINES = ("auto", "fp16_square", "info", "off")
 ACT_DTYPES = ("fp32", "bf16", "fp16")
@@ -55,6 +55,17 @@ class ActivationConfig:
     forecast_damped: bool = True
     """Project a slowing rate as slowing (a damped trend: the recent half-window's rate
     against the older half's), so early training's levelling-off is not extrapolated."""
+    forecast_slowing: float = 1.8
+    """The warning gives two distances: ~N steps at the current rate (the projection, the
+    event's value) and ~N x this if the growth slows as the natural runs of the eval's core
+    set did (their real distance was 1.8x the projection's, median over true warnings;
+    docs/forecast.md). A steady drift arrives at ~N. It changes no decision."""
+    forecast_confirm: int = 1
+    """Steps in a row a crossing must be significant before it is warned."""
+    forecast_rate_noise: float = 0.0
+    """How much of the rate's own step-to-step drift the pessimistic path allows for (0: the
+    rate is known up to its fit's error; 1: a rate that wandered by tau a step may wander
+    as much ahead, ~tau h^1.5 in h steps)."""
     on_overflow: str = "warn"
     """warn | rollback, when a norm's reduction overflows."""
     line: str = "auto"
@@ -75,6 +86,9 @@ class ActivationConfig:
         check_positive("monitor.activation.forecast_z", self.forecast_z)
         check_positive("monitor.activation.noise_window", self.noise_window, integer=True)
         check_positive("monitor.activation.forecast_reach", self.forecast_reach)
+        check_positive("monitor.activation.forecast_slowing", self.forecast_slowing)
+        check_positive("monitor.activation.forecast_confirm", self.forecast_confirm, integer=True)
+        check_range("monitor.activation.forecast_rate_noise", self.forecast_rate_noise, 0.0, 100.0)
         check_choice("monitor.activation.on_overflow", self.on_overflow, ("warn", "rollback"))
         check_choice("monitor.activation.line", self.line, LINES)
         check_choice("monitor.activation.activation_dtype", self.activation_dtype, ACT_DTYPES)
@@ -132,6 +146,9 @@ class ActivationMonitor:
             noise_window=c.noise_window,
             damped=c.forecast_damped,
             reach=c.forecast_reach,
+            rate_noise=c.forecast_rate_noise,
+            confirm=c.forecast_confirm,
+            slowing=c.forecast_slowing,
             line="fp16_square" if c.line == "auto" else c.line,
             activation_dtype=c.activation_dtype,
         )
@@ -147,6 +164,9 @@ class ActivationMonitor:
         noise_window: int = 32,
         damped: bool = True,
         reach: float = 2.0,
+        rate_noise: float = 0.0,
+        confirm: int = 1,
+        slowing: float = 1.0,
         line: str = "fp16_square",
         activation_dtype: str = "fp32",
     ):
@@ -159,12 +179,21 @@ class ActivationMonitor:
         self.line_kind = WARN if line == "fp16_square" else INFO
         self.meaning = line_meaning(line, activation_dtype)
         self.forecaster = LineForecaster(
-            horizon, window, min_points, z, noise_window, damped=damped, reach=reach
+            horizon,
+            window,
+            min_points,
+            z,
+            noise_window,
+            damped=damped,
+            reach=reach,
+            rate_noise=rate_noise,
         )
         self.above: set[str] = set()  # layers currently past the line (warn once per crossing)
         self.forecast: dict[str, float] = {}  # layer -> steps left (inf: not rising)
         self.forecast_warned: set[str] = set()  # layers warned: once per approach
         self._rms_line: dict[int, float] = {}  # D -> 255.94 / sqrt(D)
+        self.confirm, self.slowing = confirm, slowing
+        self._streak: dict[str, int] = {}  # layer -> consecutive steps with a significant crossing
 
     def update(self, stats: StepStats) -> list[Event]:
         events = []
@@ -250,10 +279,12 @@ class ActivationMonitor:
                 continue  # already past a line: the crossing itself is the news
             sig = [(p.within, kind, p) for kind, p in ps if p.significant]
             if not sig:
+                self._streak.pop(layer, None)
                 if all(p.slope <= 0 for _, p in ps):  # the approach is over
                     self.forecast_warned.discard(layer)
                 continue
-            if layer in self.forecast_warned:
+            self._streak[layer] = self._streak.get(layer, 0) + 1
+            if layer in self.forecast_warned or self._streak[layer] < self.confirm:
                 continue
             self.forecast_warned.add(layer)
             _, kind, p = min(sig, key=lambda t: t[0])
@@ -264,17 +295,25 @@ class ActivationMonitor:
     def _event(self, step, layer, kind, value, line, p: Projection) -> Event:
         what = "|x| max" if kind == "abs" else "largest row RMS"
         why = "an fp16 square overflows" if kind == "abs" else "the fp16 sum of squares overflows"
+        slowed = self.slowing * p.left  # natural growth slows: measured, forecast_slowing
         return Event(
             WARN,
             "forecast",
             step,
             f"{layer}: {what} {value:.4g} rising x{math.exp(p.slope):.3f}/step (noise "
-            f"x{math.exp(p.sigma):.3f}); crosses {line:.4g} ({why}) in ~{p.left:.0f} steps, "
-            f"at {self.forecaster.z:g} sigma within {math.ceil(p.within)}",
+            f"x{math.exp(p.sigma):.3f}); crosses {line:.4g} ({why}) in ~{p.left:.0f} steps at "
+            f"this rate, ~{slowed:.0f} if it slows as natural growth does (at "
+            f"{self.forecaster.z:g} sigma as soon as {math.ceil(p.within)})",
             layer=layer,
             value=p.left,
             threshold=float(self.horizon),
-            extra={"line": kind, "limit": line, "within": p.within, "sigma": p.sigma},
+            extra={
+                "line": kind,
+                "limit": line,
+                "within": p.within,
+                "sigma": p.sigma,
+                "if_slowing": slowed,
+            },  # fmt: skip
         )
 
     def state_dict(self) -> dict:

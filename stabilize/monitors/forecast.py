@@ -94,25 +94,36 @@ class Projection:
 
 
 def first_significant(
-    level: float, slope: float, sigma: float, z: float, horizon: float, phi: float = 1.0
+    level: float,
+    slope: float,
+    sigma: float,
+    z: float,
+    horizon: float,
+    phi: float = 1.0,
+    tau: float = 0.0,
 ) -> float:
     """The first h in (0, horizon] where the pessimistic path reaches 0, else inf.
 
-    The path is level + slope S(h) - z sigma sqrt(h), S(h) = h for a steady rate (phi = 1)
-    and phi (1 - phi^h) / (1 - phi) for one that decays by phi per step (a damped trend,
-    Gardner & McKenzie 1985). For phi = 1, with u = sqrt(h): slope u^2 - z sigma u + level
-    = 0, whose positive root is the first crossing; damped, the path is read step by step."""
+    The path is level + slope S(h) - z sqrt(sigma^2 h + tau^2 h^3 / 3), S(h) = h for a steady
+    rate (phi = 1) and phi (1 - phi^h) / (1 - phi) for one that decays by phi per step (a
+    damped trend, Gardner & McKenzie 1985). ``tau``: the rate's own step-to-step drift (a
+    local linear trend, Harvey 1989: a rate that wanders by tau a step moves the level by
+    ~tau h^1.5 / sqrt(3) in h steps), so a long extrapolation of a rate that has not held
+    needs more margin than a short one. For phi = 1 and tau = 0, with u = sqrt(h):
+    slope u^2 - z sigma u + level = 0, whose positive root is the first crossing; otherwise
+    the path is read step by step."""
     if level >= 0:
         return 0.0
     if slope <= 0:
         return math.inf
     zs = z * sigma
-    if phi >= 1.0:
+    if phi >= 1.0 and tau <= 0.0:
         u = (zs + math.sqrt(zs * zs - 4 * slope * level)) / (2 * slope)
         h = u * u
         return h if h <= horizon else math.inf
     h = np.arange(1, int(horizon) + 1, dtype=np.float64)
-    path = level + slope * phi * (1 - phi**h) / (1 - phi) - zs * np.sqrt(h)
+    rise = slope * h if phi >= 1.0 else slope * phi * (1 - phi**h) / (1 - phi)
+    path = level + rise - z * np.sqrt(sigma * sigma * h + tau * tau * h**3 / 3.0)
     hit = np.flatnonzero(path >= 0)
     return float(h[hit[0]]) if hit.size else math.inf
 
@@ -144,14 +155,16 @@ class LineForecaster:
         min_sigma: float = 0.01,
         damped: bool = True,
         reach: float = 2.0,
+        rate_noise: float = 0.0,
     ):
         self.horizon, self.window, self.z, self.damped = horizon, window, z, damped
-        self.reach = reach
+        self.reach, self.rate_noise = reach, rate_noise
         self.min_points = max(3, min(min_points, window))
         self.noise_window, self.min_sigma = noise_window, min_sigma
         self.hist: dict[Unit, deque[float]] = {}
         self.dev: dict[Unit, deque[float]] = {}  # |increment - slope| as each was seen
         self.slope: dict[Unit, float] = {}  # last fitted slope per unit
+        self.rates: dict[Unit, deque[float]] = {}  # the fitted slopes, step by step
         self.seen: dict[Unit, int] = {}  # points seen per unit (the reach grows with it)
 
     def update(self, values: dict[Unit, tuple[float, float]]) -> dict[Unit, Projection]:
@@ -185,6 +198,10 @@ class LineForecaster:
             levels = np.median(y - s_all[:, None] * np.arange(n), axis=1) + s_all * (n - 1)
             for k, u in enumerate(units):
                 self.slope[u] = s = float(s_all[k])
+                rates = self.rates.get(u)
+                if rates is None:
+                    rates = self.rates[u] = deque(maxlen=self.noise_window)
+                rates.append(s)
                 phi = 1.0
                 if self.damped and 0 < new[k] < old[k]:
                     # the rate fell from old to new over the halves' distance (n - m) steps
@@ -207,7 +224,12 @@ class LineForecaster:
         # no further ahead than ``reach`` times the steps seen: early training's first few
         # points say little about 40 steps on (its fast rise mostly levels off)
         ahead = min(self.horizon, self.reach * self.seen[u])
-        within = first_significant(level, s_low, sigma, self.z, ahead, phi)
+        tau = 0.0
+        rates = self.rates[u]
+        if self.rate_noise > 0 and len(rates) >= 3:  # the rate's step-to-step drift, robust
+            d = np.diff(np.fromiter(rates, np.float64))
+            tau = self.rate_noise * _MAD * float(np.median(np.abs(d - np.median(d))))
+        within = first_significant(level, s_low, sigma, self.z, ahead, phi, tau)
         return Projection(level, s, sigma, steps_left(level, s, phi), within, phi)
 
     def state_dict(self) -> dict:
@@ -217,6 +239,7 @@ class LineForecaster:
             "dev": {key(u): list(d) for u, d in self.dev.items()},
             "slope": {key(u): s for u, s in self.slope.items()},
             "seen": {key(u): n for u, n in self.seen.items()},
+            "rates": {key(u): list(r) for u, r in self.rates.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -228,3 +251,5 @@ class LineForecaster:
         self.dev = {unit(k): deque(v, maxlen=self.noise_window) for k, v in state["dev"].items()}
         self.slope = {unit(k): float(s) for k, s in state["slope"].items()}
         self.seen = {unit(k): int(n) for k, n in state["seen"].items()}
+        rates = state.get("rates", {})  # an older checkpoint: the drift is learned again
+        self.rates = {unit(k): deque(v, maxlen=self.noise_window) for k, v in rates.items()}

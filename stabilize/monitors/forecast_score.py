@@ -13,6 +13,9 @@ the warnings are the ``forecast`` events, one per layer and approach. Scores:
   the warnings whose horizon the run covers (a warning not followed by a crossing before the
   run ended, with its horizon reaching past the end, is *undetermined*: counted apart);
 - *lead*: steps from a crossing's first timely warning to the crossing;
+- *calibration*: the warning's own estimate ("crosses ... in ~N steps at this rate") over
+  the real distance to the crossing, per true warning (its median should be near 1); and
+  the same for its second estimate ("~M if it slows as natural growth does");
 - *false warnings per 1,000 healthy steps*: every warning in the runs labelled ``healthy``.
 """
 
@@ -50,12 +53,20 @@ class RunScore:
     timely: dict[Unit, int] = field(default_factory=dict)  # crossing unit -> lead
     true_warnings: int = 0
     undetermined: int = 0  # not followed by a crossing, but the run ended within the horizon
+    estimates: dict[tuple[Unit, int], float] = field(default_factory=dict)  # warning -> ~N
+    slowed: dict[tuple[Unit, int], float] = field(default_factory=dict)  # warning -> ~M
+    ratios: list[float] = field(default_factory=list)  # estimate / real distance, true ones
+    slowed_ratios: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         for unit, step in self.warnings:
             c = self.crossings.get(unit)
             if c is not None and step < c <= step + self.horizon:
                 self.true_warnings += 1
+                if (unit, step) in self.estimates:
+                    self.ratios.append(self.estimates[(unit, step)] / (c - step))
+                if (unit, step) in self.slowed:
+                    self.slowed_ratios.append(self.slowed[(unit, step)] / (c - step))
                 lead = c - step
                 if lead >= self.lead_min:
                     self.timely[unit] = max(self.timely.get(unit, 0), lead)
@@ -71,47 +82,99 @@ class RunScore:
         return len(self.warnings) - self.true_warnings - self.undetermined
 
 
-def table(scores: list[RunScore]) -> str:
-    """A markdown table, one row per group and one for all groups but ``healthy``."""
-    groups = sorted({s.group for s in scores}, key=lambda g: (g == "healthy", g))
+def table(scores: list[RunScore], key=None, total: str | None = "all but healthy") -> str:
+    """A markdown table, one row per group and one for all groups but ``healthy``; or, with
+    ``key`` (a run -> its row's name), one row per key over all of its runs, the healthy
+    ones included: their warnings count against precision and per 1k healthy steps."""
+    if key is None:
+        groups = sorted({s.group for s in scores}, key=lambda g: (g == "healthy", g))
+        parts = [(g, [s for s in scores if s.group == g]) for g in groups]
+        if total and len([g for g in groups if g != "healthy"]) > 1:
+            parts.append((total, [s for s in scores if s.group != "healthy"]))
+    else:
+        names = sorted({key(s) for s in scores})
+        parts = [(k, [s for s in scores if key(s) == k]) for k in names]
     rows = [
         "| set | runs | steps | crossings | warned >= 5 ahead | recall | warnable crossings "
-        "| recall (warnable) | warnings | "
-        "followed by a crossing | undetermined | precision | (undetermined as false) | median lead "
-        "| false warnings / 1k healthy steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| recall (warnable) | warnings | followed by a crossing | undetermined | precision "
+        "| (undetermined as false) | median lead | median estimate / real distance "
+        "| the same, if slowing | false warnings / 1k healthy steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    crossing_groups = [g for g in groups if g != "healthy"]
-    parts = [(g, [s for s in scores if s.group == g]) for g in groups]
-    if len(crossing_groups) > 1:
-        parts.append(("all but healthy", [s for s in scores if s.group != "healthy"]))
     for name, ss in parts:
-        n_cross = sum(len(s.crossings) for s in ss)
-        n_timely = sum(len(s.timely) for s in ss)
-        n_able = sum(len(s.warnable) for s in ss)
-        n_able_ok = sum(len(s.warnable & set(s.timely)) for s in ss)
-        n_warn = sum(len(s.warnings) for s in ss)
-        n_true = sum(s.true_warnings for s in ss)
-        n_open = sum(s.undetermined for s in ss)
-        steps = sum(s.steps for s in ss)
-        leads = [lead for s in ss for lead in s.timely.values()]
-        # every warning in a healthy run is a false one (the undetermined included)
-        false = sum(len(s.warnings) for s in ss if s.group == "healthy")
-        healthy_steps = sum(s.steps for s in ss if s.group == "healthy")
+        m = row_metrics(ss)
         rows.append(
-            f"| {name} | {len(ss)} | {steps} | {n_cross} | {n_timely} "
-            f"| {_ratio(n_timely, n_cross)} | {n_able} | {_ratio(n_able_ok, n_able)} "
-            f"| {n_warn} | {n_true} | {n_open} | {_ratio(n_true, n_warn - n_open)} "
-            f"| {_ratio(n_true, n_warn)} "
-            f"| {statistics.median(leads) if leads else '-'} "
-            f"| {_per_k(false, healthy_steps)} |"
+            f"| {name} | {len(ss)} | {m['steps']} | {m['crossings']} | {m['timely']} "
+            f"| {fmt(m['recall'])} | {m['warnable']} | {fmt(m['recall_warnable'])} "
+            f"| {m['warnings']} | {m['true']} | {m['undetermined']} | {fmt(m['precision'])} "
+            f"| {fmt(m['precision_strict'])} | {fmt(m['lead'], '.1f')} "
+            f"| {fmt(m['calibration'])} | {fmt(m['calibration_slowed'])} "
+            f"| {fmt(m['false_per_k'], '.1f')} |"
         )
     return "\n".join(rows)
 
 
-def _ratio(a: int, b: int) -> str:
-    return f"{a / b:.2f}" if b else "-"
+def row_metrics(ss: list[RunScore]) -> dict[str, float | int | None]:
+    """One row's counts and ratios (None where the denominator is 0)."""
+    n_warn = sum(len(s.warnings) for s in ss)
+    n_true = sum(s.true_warnings for s in ss)
+    n_open = sum(s.undetermined for s in ss)
+    n_cross = sum(len(s.crossings) for s in ss)
+    n_timely = sum(len(s.timely) for s in ss)
+    n_able = sum(len(s.warnable) for s in ss)
+    n_able_ok = sum(len(s.warnable & set(s.timely)) for s in ss)
+    leads = [lead for s in ss for lead in s.timely.values()]
+    ratios = [r for s in ss for r in s.ratios]
+    slowed = [r for s in ss for r in s.slowed_ratios]
+    # every warning in a healthy run is a false one (the undetermined included)
+    false = sum(len(s.warnings) for s in ss if s.group == "healthy")
+    healthy_steps = sum(s.steps for s in ss if s.group == "healthy")
+    return {
+        "steps": sum(s.steps for s in ss),
+        "crossings": n_cross,
+        "timely": n_timely,
+        "recall": _div(n_timely, n_cross),
+        "warnable": n_able,
+        "recall_warnable": _div(n_able_ok, n_able),
+        "warnings": n_warn,
+        "true": n_true,
+        "undetermined": n_open,
+        "precision": _div(n_true, n_warn - n_open),
+        "precision_strict": _div(n_true, n_warn),
+        "lead": statistics.median(leads) if leads else None,
+        "calibration": statistics.median(ratios) if ratios else None,
+        "calibration_slowed": statistics.median(slowed) if slowed else None,
+        "false_per_k": _div(1000 * false, healthy_steps),
+    }
 
 
-def _per_k(n: int, steps: int) -> str:
-    return f"{1000 * n / steps:.1f}" if steps else "-"
+def _div(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+TARGETS = (
+    ("recall (warnable)", "recall_warnable", ">=", 0.9),
+    ("precision", "precision", ">=", 0.8),
+    ("false warnings / 1k healthy steps", "false_per_k", "<=", 5.0),
+    ("median estimate / real distance", "calibration", "in", (0.67, 1.5)),
+)
+
+
+def target_misses(name: str, ss: list[RunScore]) -> list[str]:
+    """The targets one row (a placement, a precision) misses, each as one line; a metric
+    with nothing to measure in the row is said so, not passed."""
+    m = row_metrics(ss)
+    out = []
+    for label, k, op, want in TARGETS:
+        v = m[k]
+        if v is None:
+            out.append(f"{name}: {label} not measured (no runs of that kind)")
+            continue
+        ok = v >= want if op == ">=" else v <= want if op == "<=" else want[0] <= v <= want[1]
+        if not ok:
+            out.append(f"{name}: {label} {v:.2f}, target {op} {want}")
+    return out

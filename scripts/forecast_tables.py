@@ -1,0 +1,105 @@
+"""eval_forecast.py's scoring: the float64 truth per unit, the monitor replayed on a run's
+recorded statistics, and the tables, the trade-off sweep and the targets it prints."""
+
+from __future__ import annotations
+
+import torch
+from forecast_set import SWEEP
+
+from stabilize.monitors.activations import ActivationConfig, ActivationMonitor
+from stabilize.monitors.events import StepStats
+from stabilize.monitors.forecast_score import RunScore, fmt, row_metrics, table, target_misses
+from stabilize.numerics import sum_of_squares_rms_limit
+
+
+def truth_units(r: dict, threshold: float) -> dict[int, dict]:
+    """step -> layer -> (float64 value / line, 1): the nearer of the layer's lines (|x| max vs
+    ``threshold``; a norm's largest row RMS vs 255.94/sqrt(D)), either of which overflows a
+    16-bit reduction of that tensor. Aliased blocks (a pre-norm block's output is the next
+    norm's input) are left to their norm."""
+    out = {}
+    for st in r["steps"]:
+        units = {}
+        for layer, (amax, rms) in st["truth"].items():
+            if layer in r["alias"]:
+                continue
+            ratio = amax / threshold
+            if layer in r["dims"]:
+                ratio = max(ratio, rms / sum_of_squares_rms_limit(torch.float16, r["dims"][layer]))
+            units[layer] = (ratio, 1.0)
+        out[st["stats"]["step"]] = units
+    return out
+
+
+def replay(r: dict, cfg: ActivationConfig) -> dict[tuple[str, int], tuple[float, float]]:
+    """The forecast warnings the run's monitor logs: (layer, step) -> its two distances
+    ("in ~N steps at this rate, ~M if it slows")."""
+    mon = ActivationMonitor.from_config("activation", cfg)
+    alias = r["alias"]
+    out = {}
+    for st in r["steps"]:
+        d = dict(st["stats"])
+        d.setdefault("norm_dim", r["dims"])
+        for e in mon.update(StepStats(**d)):
+            if e.monitor == "forecast" and e.kind == "warn" and e.layer not in alias:
+                out[(e.layer, e.step)] = (e.value, e.extra["if_slowing"])
+    return out
+
+
+def score(runs: list[dict], cfg: ActivationConfig, crossings: dict) -> list[RunScore]:
+    out = []
+    for r in runs:
+        warned = replay(r, cfg)
+        out.append(RunScore(r["name"], r["group"], len(r["steps"]), crossings[r["name"]],
+                            list(warned), cfg.horizon, first=cfg.forecast_start,
+                            estimates={w: n for w, (n, _) in warned.items()},
+                            slowed={w: m for w, (_, m) in warned.items()}))  # fmt: skip
+    return out
+
+
+def sweep(runs, settings, crossings, part) -> str:
+    """One row per setting of SWEEP: recall (warnable), precision, false warnings per 1k
+    healthy steps and the estimate's calibration, on each part of the set."""
+    names = sorted({part(r) for r in runs})
+    rows = ["| setting | " + " | ".join(f"{k} {n}" for n in names for k in
+            ("recall", "precision", "false/1k", "est./real", "slowed/real")) + " |",
+            "|---|" + "---|" * 5 * len(names)]  # fmt: skip
+    for change in SWEEP:
+        ss = score(runs, ActivationConfig(**{**settings, **change}), crossings)
+        cells = []
+        for n in names:
+            m = row_metrics([s for s, r in zip(ss, runs, strict=True) if part(r) == n])
+            cells += [fmt(m[k], f) for k, f in (("recall_warnable", ".2f"), ("precision", ".2f"),
+                      ("false_per_k", ".1f"), ("calibration", ".2f"),
+                      ("calibration_slowed", ".2f"))]  # fmt: skip
+        label = ", ".join(f"{k}={v}" for k, v in change.items()) or "defaults"
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
+    """The printed text, and the targets missed (one line each)."""
+    cfg = ActivationConfig(**settings)
+    scores = score(runs, cfg, crossings)
+    head = (f"forecast: {', '.join(f'{k}={v}' for k, v in settings.items())}, horizon "
+            f"{cfg.horizon}; {len(runs)} runs, {seconds:.0f} s")  # fmt: skip
+    out = [head, "By kind of run:", table(scores)]
+    for axis in ("placement", "precision", "set", "model", "norm", "corpus"):
+        if len({t[axis] for t in tag.values()}) > 1:
+            out += [f"By {axis} (each row: all of its runs, the healthy ones included):",
+                    table(scores, key=lambda s, a=axis: tag[s.name][a])]  # fmt: skip
+    if with_sweep:
+        out += ["The trade-off (one setting changed from the defaults at a time; core: the "
+                "runs the defaults were chosen on, wide: the rest):", sweep(runs, settings,
+                crossings, lambda r: tag[r["name"]]["set"])]  # fmt: skip
+    out.append(f"Warnable: crossings at step >= {cfg.forecast_start + 5} (the first forecast is "
+               f"at step {cfg.forecast_start}, 5 steps ahead of it).")  # fmt: skip
+    misses = []
+    for axis in ("placement", "precision"):
+        for k in sorted({t[axis] for t in tag.values()}):
+            misses += target_misses(k, [s for s in scores if tag[s.name][axis] == k])
+    out.append("Targets (per placement and per precision: recall (warnable) >= 0.9, precision "
+               ">= 0.8, <= 5 false warnings / 1k healthy steps, median estimate / real distance "
+               "in [0.67, 1.5]): " + ("all met." if not misses else "missed:"))  # fmt: skip
+    out[-1] += "".join(f"\n- {m}" for m in misses)
+    return "\n\n".join(out), misses
