@@ -42,6 +42,41 @@ def same(a, b) -> bool:
     return a == b
 
 
+def durable_off_thread(model, opt, sharder, out: str, rank: int) -> dict:
+    """A durable snapshot under DDP: rank 0's copy of the live state runs on a thread of its
+    own while training goes on, and the file still holds the state of its step."""
+    import threading
+    from pathlib import Path
+
+    from stabilize.rollback import DurableWriter, Snapshot, load_durable
+    from stabilize.rollback import sharded as sh
+
+    threads: list[str] = []
+    real = sh.foreach_copy_
+
+    def spy(dst, src):  # the real copy, and the thread it ran on
+        threads.append(threading.current_thread().name)
+        return real(dst, src)
+
+    ref = to_cpu(state(model, opt))
+    parts = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    snap = Snapshot(7, {**sharder.capture(parts, {}, opt), "ids": EXTRA})
+    sh.foreach_copy_ = spy  # from here on: the durable copy only
+    writer = DurableWriter()
+    sharder.write_durable(snap, parts, writer, Path(out) / f"durable{rank}", model, opt)
+    train(model, opt, 2, seed=6)  # the next optimizer step waits for the copy, then writes
+    writer.close()
+    sh.foreach_copy_ = real
+    res = {"durable_threads": threads}
+    if rank == 0:
+        got = load_durable(Path(out) / "durable0" / "snapshot-000007.pt").state
+        res["durable_equal_ref"] = same(got["model"], ref["model"]) and same(
+            got["optimizer"], ref["optimizer"]
+        )
+        res["live_moved_on"] = not same(to_cpu(model.state_dict()), ref["model"])
+    return res
+
+
 def fsdp_ring(world: int) -> dict:
     """FSDP2: each rank's snapshot is its own shard (DTensors); a snapshot that left the ring
     lends its shards' host buffers to the next one."""
@@ -104,6 +139,7 @@ def main(out: str) -> None:
     )
     res["recycled_equal_live"] = same(sharder.whole(again), now)
     res["empty_optimizer_state"] = sharder.whole(empty)["optimizer"]["state"] == {}
+    res.update(durable_off_thread(model, opt, sharder, out, rank))
     res.update(fsdp_ring(world))
     fp = [float(p.detach().double().sum()) for p in model.parameters()]
     res["fingerprint"] = fp

@@ -69,7 +69,8 @@ def test_cuda_slices_are_pinned_and_copied_on_a_side_stream():
 
 def test_two_ranks_restore_sliced_snapshots_bit_identically(tmp_path):
     """Each of 2 gloo ranks snapshots half of a GPT + AdamW state; after 3 more steps the
-    all-gathered restore equals a full host copy taken at the snapshot, bit for bit."""
+    all-gathered restore equals a full host copy taken at the snapshot, bit for bit. Rank 0's
+    durable copy of the whole is made off the training thread and lands whole."""
     r = run_cli(
         [
             "python",
@@ -92,6 +93,12 @@ def test_two_ranks_restore_sliced_snapshots_bit_identically(tmp_path):
         sliced, full, ref = x["bytes"]
         assert full == ref and sliced <= 0.55 * full  # half, plus padding
     assert res[0]["fingerprint"] == res[1]["fingerprint"]
+    # the durable copy: rank 0's, on its own thread, the file equal to the state of its step
+    # although the next optimizer steps followed at once
+    assert (
+        res[0]["durable_threads"] == ["stabilize-durable-copy"] and res[1]["durable_threads"] == []
+    )
+    assert res[0]["durable_equal_ref"] and res[0]["live_moved_on"]
 
 
 @pytest.mark.slow  # 40 s; test_stability's torchrun faults on rank 1 cover the rollback by default

@@ -22,6 +22,7 @@ sync. On CPU the same code copies synchronously. A world of one keeps the full c
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from stabilize.compat import foreach_copy_
-from stabilize.rollback.snapshots import Snapshot, to_cpu
+from stabilize.rollback.snapshots import Snapshot, to_cpu, to_cpu_deferred
 
 _ATOMIC = (int, float, bool, str, bytes, type(None))
 
@@ -121,20 +122,58 @@ class _CudaCopy:
 
     def fence(self, *_: Any) -> None:
         """The compute stream waits (on the device) for the copy in flight, if any."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+        event = self.event  # read once: the durable writer's thread may wait on it too
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
 
     def wait(self) -> None:
         """The host waits for the copy (before it reads the pinned buffers)."""
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
+        event = self.event
+        if event is not None:
+            event.synchronize()
 
     def guard(self, optimizer: torch.optim.Optimizer) -> None:
         """Fence every later ``optimizer.step``: it writes the tensors being copied."""
         if id(optimizer) not in self._hooked:
             optimizer.register_step_pre_hook(self.fence)
             self._hooked.add(id(optimizer))
+
+
+class _ThreadCopy:
+    """The same contract on the host: the copy runs on a thread of its own (torch's copy
+    kernels release the GIL, so the next step's forward and backward go on meanwhile), and
+    ``fence`` - before anything that writes the tensors being copied - waits for it."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._hooked: set[int] = set()
+
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        self.fence()
+
+        def run():
+            try:
+                with torch.no_grad():
+                    foreach_copy_(dst, src)
+            except BaseException as e:  # raised by fence, on the thread that waits
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="stabilize-durable-copy", daemon=True)
+        self._thread.start()
+
+    def fence(self, *_: Any) -> None:
+        t = self._thread
+        if t is not None:
+            t.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    wait = fence
+
+    guard = _CudaCopy.guard
 
 
 class ShardedState:
@@ -235,6 +274,7 @@ class Sharder:
         self.rank, self.world, self.fsdp = rank, (1 if fsdp else world), fsdp
         self.cuda: _CudaCopy | None = None
         self._durable: dict | None = None  # the full host copy rank 0 last handed the writer
+        self._durable_copy: _CudaCopy | _ThreadCopy | None = None  # that copy, in flight
 
     @property
     def sharded(self) -> bool:
@@ -265,6 +305,7 @@ class Sharder:
             return state
         if self.cuda is not None:
             self.cuda.fence()  # the restore's copies into the live tensors come after it
+        self.fence()
         rest = {k: v for k, v in state.items() if k != SHARD}
         return {**rest, **shard.gather()}
 
@@ -272,30 +313,54 @@ class Sharder:
         self, snap: Snapshot, parts: dict, writer, directory: Path, model, optimizer
     ) -> None:
         """Every rank calls this at a durable step. FSDP: every rank writes its shard (DCP,
-        in line: a collective); else rank 0 hands the whole state to the background writer."""
+        in line: a collective); else rank 0 hands the whole state to the background writer,
+        which writes it once the copy of the live state (``durable``) has landed."""
         if self.fsdp:
             from stabilize.rollback.dcp import save_sharded
 
             writer.wait()
             save_sharded(snap, model, optimizer, directory, writer.keep)
         elif self.rank == 0:
-            writer.submit(self.durable(snap, parts, writer), directory)
+            whole = self.durable(snap, parts, writer, optimizer)
+            ready = self._durable_copy.wait if self._durable_copy is not None else None
+            writer.submit(whole, directory, ready=ready)
 
-    def durable(self, snap: Snapshot, parts: dict[str, Any], writer) -> Snapshot:
+    def durable(self, snap: Snapshot, parts: dict[str, Any], writer, optimizer=None) -> Snapshot:
         """The snapshot to write to disk: the whole state. Sharded, rank 0 copies the full
         parts into one host buffer of its own, reused from write to write (after waiting for
-        the write that still reads it)."""
+        the write that still reads it). The copy is not made on the training thread: on
+        CUDA into pinned buffers on a side stream, on the host on a thread; the next write
+        into those tensors (``fence``: the next optimizer step, a fault's parameter write,
+        a restore) waits for it."""
         if not self.sharded:
             return snap
         if self._durable is not None and writer.busy_with(self._durable):
             writer.wait()
         if snap.state[SHARD].cuda is not None:
             snap.state[SHARD].ready()
+        self.fence()  # the buffers about to be refilled are no longer being read
         old = self._durable or {}
-        full = {k: to_cpu(v, old.get(k)) for k, v in parts.items()}
+        on_cuda = snap.state[SHARD].cuda is not None
+        full, dst, src = {}, [], []
+        for k, v in parts.items():
+            full[k], d, s = to_cpu_deferred(v, old.get(k), pin=on_cuda)
+            dst += d
+            src += s
+        if self._durable_copy is None:
+            self._durable_copy = _CudaCopy() if on_cuda else _ThreadCopy()
+        if dst:
+            self._durable_copy.copy(dst, src)
+            if optimizer is not None:
+                self._durable_copy.guard(optimizer)
         rest = {k: v for k, v in snap.state.items() if k != SHARD}
         self._durable = {**rest, **full}
         return Snapshot(snap.step, self._durable, snap.wall)
+
+    def fence(self) -> None:
+        """Wait for the durable copy in flight: before anything writes the live state
+        (a fault's parameter write after the backward; a restore)."""
+        if self._durable_copy is not None:
+            self._durable_copy.fence()
 
 
 def host_bytes(obj: Any) -> int:

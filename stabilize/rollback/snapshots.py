@@ -32,16 +32,24 @@ def to_cpu(obj: Any, into: Any = None) -> Any:
     names in a state dict) is copied once and shared, as torch.save would. The copies are
     made by one ``torch._foreach_copy_`` (one dispatch, not one per tensor).
     """
-    dst: list[torch.Tensor] = []
-    src: list[torch.Tensor] = []
-    out = _copy_tree(obj, into, {}, set(), dst, src)
+    out, dst, src = to_cpu_deferred(obj, into)
     if dst:
         with torch.no_grad():
             foreach_copy_(dst, src)
     return out
 
 
-def _copy_tree(obj, into, copies: dict, used: set, dst: list, src: list) -> Any:
+def to_cpu_deferred(obj: Any, into: Any = None, pin: bool = False):
+    """``to_cpu``'s host structure now and its copies left to the caller: ``(tree, dst,
+    src)``, the tree's host tensors not yet written (``foreach_copy_(dst, src)`` fills
+    them, on whatever thread or stream). ``pin``: new host buffers are pinned (a CUDA
+    source copied with ``non_blocking``)."""
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    return _copy_tree(obj, into, {}, set(), dst, src, pin), dst, src
+
+
+def _copy_tree(obj, into, copies: dict, used: set, dst: list, src: list, pin=False) -> Any:
     """to_cpu's walk: the structure now, the tensor copies queued in (dst, src)."""
     kind = type(obj)
     if kind in _ATOMIC:
@@ -61,7 +69,7 @@ def _copy_tree(obj, into, copies: dict, used: set, dst: list, src: list) -> Any:
             out = into
             used.add(id(into))
         else:
-            out = torch.empty_like(obj, device="cpu")
+            out = torch.empty_like(obj, device="cpu", pin_memory=pin)
         dst.append(out)
         src.append(obj.detach())
         copies[key] = out
@@ -85,13 +93,13 @@ def _copy_tree(obj, into, copies: dict, used: set, dst: list, src: list) -> Any:
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         old = into if isinstance(into, dict) else {}
-        return {k: _copy_tree(v, old.get(k), copies, used, dst, src) for k, v in obj.items()}
+        return {k: _copy_tree(v, old.get(k), copies, used, dst, src, pin) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         if all(type(v) in _ATOMIC for v in obj):  # a monitor's window: nothing to walk
             return obj if isinstance(obj, tuple) else kind(obj)
         old = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else None
         return kind(
-            _copy_tree(v, old[i] if old is not None else None, copies, used, dst, src)
+            _copy_tree(v, old[i] if old is not None else None, copies, used, dst, src, pin)
             for i, v in enumerate(obj)
         )
     return copy.deepcopy(obj)
@@ -191,16 +199,21 @@ class DurableWriter:
         self._pool = None
         self._pending = None  # (future, state) of the write in flight
 
-    def submit(self, snap: Snapshot, directory: str | Path) -> None:
+    def submit(self, snap: Snapshot, directory: str | Path, ready=None) -> None:
+        """``ready``: called first, on the writer's thread (the snapshot's host copy may
+        still be in flight: it waits for it)."""
         self.wait()
         if not self.background:
+            if ready is not None:
+                ready()
             save_and_prune(snap, directory, self.keep)
             return
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="stabilize-durable")
-        self._pending = (self._pool.submit(save_and_prune, snap, directory, self.keep), snap.state)
+        job = self._pool.submit(_ready_then_save, ready, snap, directory, self.keep)
+        self._pending = (job, snap.state)
 
     def busy_with(self, state: Any) -> bool:
         """Is ``state`` (a snapshot's state dict) being written right now?"""
@@ -222,6 +235,12 @@ class DurableWriter:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+def _ready_then_save(ready, snap: Snapshot, directory, keep: int) -> Path:
+    if ready is not None:
+        ready()
+    return save_and_prune(snap, directory, keep)
 
 
 def load_durable(path: str | Path) -> Snapshot:

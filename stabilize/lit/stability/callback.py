@@ -146,6 +146,11 @@ class StabilityCallback(L.Callback):
             self._batches.append(batch)
             self._positions.append(pl_module.train_state.data_step)
 
+    def on_after_backward(self, trainer, pl_module):
+        # Lightning calls this before the module's own hook, where a fault may write a
+        # parameter: the durable copy of the last snapshot's state has landed by then
+        self.controller.sharder.fence()
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if pl_module.stale_batch or not (self.mcfg.enabled or self.rollback_on):
             return
