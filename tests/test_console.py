@@ -145,7 +145,11 @@ def test_final_summary_names_each_rollback_and_the_config_it_ended_with(ladder, 
     back = done[0]["extra"]["restored_step"]
     assert lines[1].startswith("  rollback 1 at step 7 (nonfinite: "), lines
     assert f"-> back to step {back}, remedy {remedy}" in lines[1]
-    assert lines[2] == f"ended with: {changed} (the remedies')"
+    # a NaN loss: the gradient came into the head non-finite (grad_scan.py)
+    assert lines[2] == (
+        "first non-finite gradient: lm_head at step 7 (backward order; it came in non-finite)"
+    )
+    assert lines[3] == f"ended with: {changed} (the remedies')"
     assert result["ended_with"]["remedies"] == [remedy]
 
 

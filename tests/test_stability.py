@@ -148,6 +148,8 @@ def test_persistent_fault_is_deterministic_exhausts_the_numerics_and_aborts(tmp_
     assert {h["class"] for h in d["rollbacks"]} == {"deterministic"}
     saved = json.loads((tmp_path / "diagnosis.json").read_text())
     assert saved["reason"] == d["reason"]
+    # named live from the step's own gradients too (grad_scan.py), in the diagnosis
+    assert saved["grad_scan"]["grad_module"] == "h.1.mlp.c_fc"
     assert kinds(events(tmp_path), "abort")
     verdicts = [e for e in kinds(events(tmp_path), "rollback") if e["monitor"] == "nonfinite"]
     assert len(verdicts) == 2  # the first one's rollback (lower_lr), then the abort's

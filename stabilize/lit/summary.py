@@ -76,6 +76,9 @@ def final_summary(cfg, result: dict[str, Any], events: list[dict[str, Any]]) -> 
     metrics = ", ".join(f"{k} {m[k]:.4f}" for k in SHOWN if k in m)
     lines = [steps + ")" + (f", {metrics}" if metrics else "")]
     lines += [rollback_line(i + 1, rb) for i, rb in enumerate(rbs)]
+    scanned = grad_scan_line(events)
+    if scanned:
+        lines.append(scanned)
     changed = changed_config(cfg, result.get("ended_with") or {})
     if changed:
         lines.append("ended with: " + "; ".join(changed) + " (the remedies')")
@@ -88,6 +91,19 @@ def final_summary(cfg, result: dict[str, Any], events: list[dict[str, Any]]) -> 
         lines.append(f"W&B offline run: {d} (to upload: wandb sync {d})")
     lines.append(f"run dir: {result['run_dir']}")
     return lines
+
+
+def grad_scan_line(events: list[dict[str, Any]]) -> str | None:
+    """The first step whose own gradients were found non-finite, and the module named."""
+    for e in events:
+        info = (e.get("extra") or {}).get("grad_scan") or {}
+        if info.get("grad_module"):
+            how = "it made it" if info.get("grad_incoming_finite") else "it came in non-finite"
+            return (
+                f"first non-finite gradient: {info['grad_module']} at step {e['step']} "
+                f"(backward order; {how})"
+            )
+    return None
 
 
 def ranks_line(ranks: list[dict[str, Any]]) -> str:
@@ -112,6 +128,9 @@ def abort_summary(diagnosis: dict[str, Any], events: list[dict[str, Any]], run_d
     lines += [rollback_line(i + 1, rb) for i, rb in enumerate(rbs)]
     if not rbs:
         lines.append("  no rollback before it")
+    scan = d.get("grad_scan") or {}
+    if scan.get("grad_module"):
+        lines.append(f"  first non-finite gradient (backward order): {scan['grad_module']}")
     top = d.get("act_max_top") or []
     if top:
         lines.append("  largest |x| at the last step: " + ", ".join(f"{k} {v:.3g}" for k, v in top))

@@ -10,6 +10,7 @@ decision: warn, snapshot, roll back with a remedy, or abort with a diagnosis.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import lightning as L
@@ -19,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from stabilize.faults import FaultConfig, FaultInjector
 from stabilize.lit.fsdp import is_fsdp
 from stabilize.lit.probe import StabilityProbe
+from stabilize.lit.stability import grad_scan
 from stabilize.lit.stability.classify import LOCALIZED, Classifier
 from stabilize.lit.stability.controller import RollbackController, load_skipped
 from stabilize.lit.stability.gather import HEAD, StepGather
@@ -58,6 +60,7 @@ class StabilityCallback(L.Callback):
         rep = monitor.replicas
         self.replicas_every = rep.every if monitor.enabled and rep.enabled else 0
         self.probe: StabilityProbe | None = None
+        self._scanned = -1  # the step whose gradients were last scanned (_scan_grads)
         self.injector: FaultInjector | None = None
         self.last: StepStats | None = None
         self._pending: tuple | None = None
@@ -157,6 +160,8 @@ class StabilityCallback(L.Callback):
         stats = self._gather(trainer, pl_module, optimizer)
         events = self.suite.update(stats)
         self.last = stats
+        if stats.grad_norm is not None and not math.isfinite(stats.grad_norm):
+            self._scan_grads(pl_module, stats, events)
         bad = [e for e in events if e.kind == ROLLBACK]
         if bad:
             self._classify(trainer, pl_module, bad)
@@ -170,8 +175,10 @@ class StabilityCallback(L.Callback):
             return  # a stale batch, or mid-accumulation: no optimizer step was judged
         stats, events, fault = self._pending
         self._pending = None
-        # the step's scalars every step, the per-layer series on log steps (sink.py)
-        self._log_stats(trainer, stats, trainer.global_step % trainer.log_every_n_steps == 0)
+        # the step's scalars every step, the per-layer series on log steps (sink.py) and on a
+        # step whose gradients were scanned (their per-block norms, inf / nan kept)
+        log_step = trainer.global_step % trainer.log_every_n_steps == 0
+        self._log_stats(trainer, stats, log_step or self._scanned == stats.step)
         for e in events:
             self.sink.emit(trainer, e)
         if fault is not None:
@@ -186,6 +193,19 @@ class StabilityCallback(L.Callback):
         n = 0 if _sharded(trainer) else self.replicas_every  # shards differ by design
         due = bool(n) and trainer.world_size > 1 and (pl_module.train_state.model_step + 1) % n == 0
         return self.gather(trainer, pl_module, optimizer, self.probe, replicas=due)
+
+    def _scan_grads(self, pl_module, stats: StepStats, events: list[Event]) -> None:
+        """A non-finite gradient norm (a NaN or inf, an fp16 scaler skip): the step's own
+        gradients, scanned once (grad_scan.py). The module goes into the verdict's message
+        (the console), its extra (events.jsonl, diagnosis.json) and the step's logs."""
+        info = grad_scan.scan(pl_module.model, loss_finite=math.isfinite(stats.loss))
+        stats.layer_grad_norm = {**stats.layer_grad_norm, **info.pop("block_grad_norm")}
+        self._scanned = stats.step
+        for e in events:
+            if e.monitor in LOCALIZED or e.kind == ROLLBACK:
+                e.extra["grad_scan"] = info
+            if e.monitor in LOCALIZED:
+                e.message += f"; {grad_scan.describe(info)}"
 
     def _classify(self, trainer, pl_module, bad: list[Event]) -> None:
         """Replay the step (on the event only): the fault's class, for the remedy, and where

@@ -191,6 +191,7 @@ class RollbackController:
             "step": event.step,
             "layer": event.layer,
             "message": event.message,
+            "grad_scan": event.extra.get("grad_scan"),  # where the gradient went non-finite
             "act_max_top": top,
             "forecast_steps_left": dict(sorted(forecast.items(), key=lambda kv: kv[1])[:5]),
             "rollbacks": self.policy.history,

@@ -109,4 +109,6 @@ class EventSink:
             )
         m.update({f"forecast/{k}": min(v, 1e6) for k, v in forecast.items()})
         m.update({f"stability/{k}s": float(v) for k, v in self.counts.items()})
-        return {k: v for k, v in m.items() if math.isfinite(v)}
+        # a block's inf / nan gradient norm is the news (where it went non-finite); other
+        # series past a non-finite step say nothing more and are left out
+        return {k: v for k, v in m.items() if math.isfinite(v) or k.startswith("grad_norm/")}
