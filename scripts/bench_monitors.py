@@ -18,8 +18,9 @@ every optimizer step; ms/step = (t[warmup + steps] - t[warmup]) / steps, so at t
 1 checkpoint: their amortised cost. Arms are interleaved (off, on, on, off, ...); per arm the
 median over repeats is shown, with the per-pair overhead on/off - 1 of those window means.
 
-The verdict (target <= 3%) is steadier than a ratio of two window means, which one stall of
-another job on our core moves by several percent: the window is cut into blocks of 10 steps
+The verdict (target <= 2%: all default monitors together) is steadier than a ratio of two
+window means, which one stall of another job on our core moves by several percent: the
+window is cut into blocks of 10 steps
 (each holds one log step and one memory snapshot, so a block is a fair unit of the on-arm's
 work), block i of the on-run is paired with block i of the off-run of the same pair (same
 data, same periodic work), and the pair's overhead is the median over blocks of the block

@@ -76,8 +76,8 @@ def lightning_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float,
     return clock.t, out["metrics"]["train/loss"], tps
 
 
-def bare_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float]:
-    """(step -> time, final loss)."""
+def bare_steps(cfg: RunConfig):
+    """The bare loop, one optimizer step per ``next()``: yields the step's loss tensor."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)  # as run() does
     device = torch.device(resolve_accelerator(cfg.trainer.accelerator))
     model = GPT(cfg.model).to(device).train()
@@ -96,8 +96,8 @@ def bare_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float]:
         scaler = torch.amp.GradScaler(
             device.type, init_scale=p.init_scale, growth_interval=p.growth_interval
         )
-    params, t = list(model.parameters()), {}
-    for step, (x, y) in enumerate(loader, start=1):
+    params = list(model.parameters())
+    for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
@@ -116,7 +116,14 @@ def bare_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float]:
         else:
             opt.step()
         sched.step()
-        if step in edges and device.type == "cuda":
+        yield loss
+
+
+def bare_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float]:
+    """(step -> time, final loss)."""
+    t, cuda, loss = {}, resolve_accelerator(cfg.trainer.accelerator) == "cuda", None
+    for step, loss in enumerate(bare_steps(cfg), start=1):  # noqa: B007  (the last is returned)
+        if step in edges and cuda:
             torch.cuda.synchronize()
         t[step] = time.perf_counter()
     return t, loss.item()

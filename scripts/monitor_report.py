@@ -15,7 +15,7 @@ import torch
 from benchstats import BLOCK, print_table, quartiles, span
 from monitor_clock import PARTS
 
-OVERHEAD_MAX = 0.03  # on/off - 1
+OVERHEAD_MAX = 0.02  # on/off - 1: all default monitors together
 RESTORE_MAX = 1.0  # steps
 NOISY = 0.04  # max - min of the per-pair overhead estimates: the verdict is flagged
 TIMINGS = ("snapshot", "durable", "handover", "restore", "rollback")
