@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from docblock import commit, cpu, replace_block  # noqa: E402
+
 STEPS = 12
 # Snapshots every 2 steps and a grad-spike verdict that rolls back only on a 100x jump
 # (never on the tiny model's ordinary steps): the fault drills here and the fault tests
@@ -171,13 +174,16 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated drill names (default: all)")
     ap.add_argument("--keep", default=None, help="keep the run dirs under this directory")
     ap.add_argument("--reuse", action="store_true", help="read finished drills, don't rerun")
+    ap.add_argument("--doc", type=Path, help="also write the table into this doc, between its "
+                    "<!-- drills:begin/end --> markers (docs/rollback.md)")  # fmt: skip
     args = ap.parse_args()
     names = [n for n in DRILLS if not args.only or n.split(" ")[0] in args.only.split(",")]
     base = Path(args.keep or tempfile.mkdtemp(prefix="drills-"))
     cols = ["fault", "ranks", "detected", "class", "blamed", "remedy", "outcome"]
+    table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     print(f"Drills: tiny GPT on CPU, {STEPS} steps, fault on the last rank; replica check every 4")
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols), flush=True)
+    print("\n".join(table), flush=True)
+    t_all = time.time()
     for name in names:
         for ranks in [int(r) for r in args.ranks.split(",")]:
             slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
@@ -191,8 +197,18 @@ def main() -> None:
             else:
                 rc = launch([*COMMON, *DRILLS[name], f"fault.rank={ranks - 1}"], ranks, run_dir)
             row = {"fault": name, "ranks": str(ranks), **summarize(run_dir, rc, ranks)}
-            print("| " + " | ".join(row[c] for c in cols) + " |", flush=True)
+            table.append("| " + " | ".join(row[c] for c in cols) + " |")
+            print(table[-1], flush=True)
             print(f"# {name} on {ranks}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    if args.doc:
+        cmd = " ".join(["python scripts/drills.py", *sys.argv[1:]])
+        head = (f"Measured by `{cmd}` at commit {commit()}, on {cpu()} (OMP_NUM_THREADS=1 per "
+                f"process), {time.time() - t_all:.0f} s. Written by the script: do not edit by "
+                "hand.")  # fmt: skip
+        err = replace_block(args.doc, "drills", head + "\n\n" + "\n".join(table))
+        if err:
+            print(f"drills.py: {err}", file=sys.stderr)
+            raise SystemExit(2)
 
 
 if __name__ == "__main__":
