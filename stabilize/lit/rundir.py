@@ -44,6 +44,7 @@ RUN_FILES = (
     "csv",
     "wandb",
     "ranks",  # the watchdog's heartbeats and stack dumps (lit/watchdog.py)
+    "bundles",  # repro bundles of faulty steps (lit/stability/bundle.py)
 )
 RESUME_CHOICES = "'none', 'auto', 'restart' or a path to a .ckpt file"
 

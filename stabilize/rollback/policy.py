@@ -53,6 +53,14 @@ class RollbackConfig:
     """Rollbacks allowed in ``window`` steps; one more aborts."""
     window: int = 1000
     """The span, in steps, ``max_rollbacks`` counts over."""
+    bundle: str = "fault"
+    """Repro bundles (lit/stability/bundle.py, replayed by ``stabilize-replay``): ``fault``
+    on every verdict that rolls back (or would, with rollback off), ``always`` on warnings
+    and scaler skips too, ``off``."""
+    bundle_max_mb: float = 4096.0
+    """A bundle whose state would be larger is written without it (-1: no bound)."""
+    bundle_keep: int = 5
+    """Bundles kept under run_dir/bundles, the newest by step (-1: all)."""
 
     def __post_init__(self):
         for k in ("snapshot_every", "keep", "max_rollbacks", "window"):
@@ -64,6 +72,11 @@ class RollbackConfig:
         for i, r in enumerate(self.ladder):
             check_choice(f"rollback.ladder[{i}]", r, REMEDIES)
         self.remedy = REMEDIES.build_sections(self.remedy, "rollback.remedy")
+        check_choice("rollback.bundle", self.bundle, ("fault", "always", "off"))
+        if self.bundle_max_mb != -1:
+            check_positive("rollback.bundle_max_mb", self.bundle_max_mb)
+        if self.bundle_keep != -1:
+            check_positive("rollback.bundle_keep", self.bundle_keep, integer=True)
 
 
 def _never(rung: str) -> str | None:

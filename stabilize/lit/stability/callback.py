@@ -21,6 +21,7 @@ from stabilize.faults import FaultConfig, FaultInjector
 from stabilize.lit.fsdp import is_fsdp
 from stabilize.lit.probe import StabilityProbe
 from stabilize.lit.stability import grad_scan
+from stabilize.lit.stability.bundle import write_bundle
 from stabilize.lit.stability.classify import LOCALIZED, Classifier
 from stabilize.lit.stability.controller import RollbackController, load_skipped
 from stabilize.lit.stability.gather import HEAD, StepGather
@@ -61,6 +62,8 @@ class StabilityCallback(L.Callback):
         self.replicas_every = rep.every if monitor.enabled and rep.enabled else 0
         self.probe: StabilityProbe | None = None
         self._scanned = -1  # the step whose gradients were last scanned (_scan_grads)
+        self._bundled: set[str] = set()  # monitors bundled already (rollback off: once each)
+        self._bundled_note = False  # the FSDP "no bundle" line, said once
         self.injector: FaultInjector | None = None
         self.last: StepStats | None = None
         self._pending: tuple | None = None
@@ -165,6 +168,7 @@ class StabilityCallback(L.Callback):
         bad = [e for e in events if e.kind == ROLLBACK]
         if bad:
             self._classify(trainer, pl_module, bad)
+        self._bundle(trainer, pl_module, stats, events, bad)
         if bad and self.rollback_on:
             optimizer.zero_grad(set_to_none=True)  # nothing of this step is applied
             pl_module.train_state.skip_step = True
@@ -193,6 +197,23 @@ class StabilityCallback(L.Callback):
         n = 0 if _sharded(trainer) else self.replicas_every  # shards differ by design
         due = bool(n) and trainer.world_size > 1 and (pl_module.train_state.model_step + 1) % n == 0
         return self.gather(trainer, pl_module, optimizer, self.probe, replicas=due)
+
+    def _bundle(self, trainer, pl_module, stats, events: list[Event], bad: list[Event]) -> None:
+        """A repro bundle of the step (bundle.py), before anything is restored. Every rank
+        takes the same decision (same events), as the gather of the batches needs."""
+        mode = self.rcfg.bundle
+        worth = bad if mode == "fault" else [e for e in events if e.kind != "info"]
+        if not self.rollback_on:  # nothing is undone: a monitor's first verdict is the evidence
+            worth = [e for e in worth if e.monitor not in self._bundled]
+            self._bundled |= {e.monitor for e in worth}
+        if mode == "off" or not worth:
+            return
+        if _sharded(trainer):  # each rank holds a shard: no one consistent copy to bundle
+            if not self._bundled_note and trainer.is_global_zero:
+                print("[bundle] no repro bundle: FSDP parameters are sharded", flush=True)
+            self._bundled_note = True
+            return
+        write_bundle(trainer, pl_module, stats, worth, self._batches, self._positions, self.rcfg)
 
     def _scan_grads(self, pl_module, stats: StepStats, events: list[Event]) -> None:
         """A non-finite gradient norm (a NaN or inf, an fp16 scaler skip): the step's own

@@ -1,0 +1,154 @@
+"""A repro bundle: everything needed to replay a failing step in another process.
+
+Written on a fault (``rollback.bundle``: ``fault``, the default, on every verdict that rolls
+back or would; ``always``, on warnings and scaler skips too; ``off``) under
+``run_dir/bundles/step-NNNNNN-<monitor>/``, before anything is restored:
+
+- ``state.pt``: the live state the step started from (the step is judged before the
+  optimizer applies it): model, optimizer, LR scheduler, loss scaler, the train state
+  (model/data step, LR scale, remedies, skipped positions) and the fault injector's course;
+  left out when it would pass ``rollback.bundle_max_mb`` (the bundle says so);
+- ``batch.pt``: every rank's micro-batches of the step (token ids), their data positions
+  and the corpus items each one was drawn from (``StepSampler.batch_for_step``): under DDP
+  one all-gather of the ids, rank 0 writes the one copy (the replicas' states are equal);
+- ``meta.json``: the resolved config, the versions (torch, CUDA, Python, this package, the
+  git commit when known), the step's recorded loss and gradient norm, its events;
+- ``manifest.json`` last: each file's size and SHA-256. The directory is written as
+  ``.tmp`` and renamed when whole.
+
+``stabilize-replay BUNDLE`` (stabilize/replay.py) rebuilds the step from it. FSDP (sharded
+parameters) is not bundled: each rank holds only its shard (one console line says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1
+FILES = ("state.pt", "batch.pt", "meta.json")
+
+
+def versions() -> dict[str, Any]:
+    import stabilize
+
+    commit = None
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                           cwd=Path(stabilize.__file__).parent, timeout=5)  # fmt: skip
+        commit = (r.stdout.strip() or None) if r.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "stabilize": getattr(stabilize, "__version__", None),
+        "git_commit": commit,
+    }
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def write_bundle(trainer, pl_module, stats, events, batches, positions, rcfg) -> Path | None:
+    """Every rank calls this at a faulty step (a collective under DDP); rank 0 writes.
+    Returns the bundle's directory on rank 0."""
+    rank, world = trainer.global_rank, trainer.world_size
+    sampler = pl_module.train_sampler()
+    mine = {
+        "rank": rank,
+        "x": [b[0].detach().cpu() for b in batches],
+        "y": [b[1].detach().cpu() for b in batches],
+        "positions": list(positions),
+        "items": [sampler.batch_for_step(p, rank) for p in positions],
+    }
+    ranks = [mine]
+    if world > 1:
+        ranks = [None] * world
+        torch.distributed.all_gather_object(ranks, mine)
+    if rank != 0:
+        return None
+    t0 = time.perf_counter()
+    run_dir = Path(pl_module.cfg.run_dir)
+    first = events[0] if events else None
+    name = f"step-{stats.step:06d}-{first.monitor if first else 'on-demand'}"
+    final = run_dir / "bundles" / name
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    opt = trainer.optimizers[0]
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    injector = pl_module.injector
+    state = {
+        "model": pl_module.model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "train_state": pl_module.train_state.state_dict(),
+        "fault": injector.snapshot_state() if injector is not None else None,
+    }
+    size_mb = _nbytes(state) / 2**20
+    omitted = rcfg.bundle_max_mb >= 0 and size_mb > rcfg.bundle_max_mb
+    if not omitted:
+        torch.save(state, tmp / "state.pt")
+    torch.save({"ranks": ranks}, tmp / "batch.pt")
+    meta = {
+        "format": FORMAT,
+        "step": stats.step,
+        "world_size": world,
+        "precision": pl_module.cfg.precision.name,
+        "recorded": {
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "loss_scale": stats.loss_scale,
+        },  # fmt: skip
+        "state_omitted": f"{size_mb:.0f} MB > rollback.bundle_max_mb" if omitted else None,
+        "events": [e.to_dict() for e in events],
+        "versions": versions(),
+        "config": pl_module.cfg.to_dict(),
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    files = {f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256(tmp / f)}
+             for f in FILES if (tmp / f).exists()}  # fmt: skip
+    (tmp / "manifest.json").write_text(json.dumps({"format": FORMAT, "files": files}, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    _prune(final.parent, rcfg.bundle_keep)
+    total = sum(v["bytes"] for v in files.values()) / 2**20
+    note = " (state left out: over rollback.bundle_max_mb)" if omitted else ""
+    print(f"[bundle] repro bundle: {final} ({total:.1f} MB, {time.perf_counter() - t0:.2f} s)"
+          f"{note}; replay it with: stabilize-replay {final}", flush=True)  # fmt: skip
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    """The newest ``keep`` bundles by step stay (-1: all)."""
+    if keep < 0:
+        return
+    done = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
+    for p in done[: max(len(done) - keep, 0)]:
+        shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,207 @@
+"""``stabilize-replay BUNDLE``: replay a failing step from its repro bundle, in this process.
+
+    stabilize-replay runs/x/bundles/step-000004-nonfinite
+
+The bundle (lit/stability/bundle.py) is checked first: every file its manifest lists must
+be there with its size and SHA-256, and its format this one; otherwise one line naming the
+file, exit 2. Then the model is rebuilt from the bundle's config and state, and the step's
+micro-batches (every rank's, under DDP) run forward and backward as training ran them: the
+same dropout seeds (seed, data position, rank), the run's autocast and loss scale, the
+fault injector in the state it had (a harness fault recurs), the gradients averaged over
+the ranks as DDP does. Forward and backward localization are on (the first module whose
+output, then whose gradient, went non-finite).
+
+It prints the replayed loss and gradient norm beside the recorded ones and whether the
+failure reproduces: in fp32 on CPU from one rank the numbers are compared bit for bit; in
+16-bit precision, or from several ranks (whose all-reduce sums in another order), within
+a relative 1e-4. Exit 0: it reproduces; 1: it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from stabilize.exits import EXIT_CONFIG
+
+TOLERANCE = 1e-4  # relative, where the comparison cannot be bitwise
+
+
+class BadBundle(Exception):
+    """A bundle that cannot be replayed: missing, damaged, incomplete or incompatible."""
+
+
+def check(bundle: Path) -> dict[str, Any]:
+    """The bundle's meta, once every file matches its manifest; else ``BadBundle``."""
+    from stabilize.lit.stability.bundle import FORMAT, sha256
+
+    man = bundle / "manifest.json"
+    if not man.is_file():
+        raise BadBundle(f"{man}: missing (not a bundle, or an incomplete one)")
+    try:
+        manifest = json.loads(man.read_text())
+    except ValueError as e:
+        raise BadBundle(f"{man}: not JSON ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise BadBundle(f"{man}: bundle format {manifest.get('format')!r}; this version reads "
+                        f"{FORMAT}")  # fmt: skip
+    for name, want in manifest["files"].items():
+        f = bundle / name
+        if not f.is_file():
+            raise BadBundle(f"{f}: missing")
+        if f.stat().st_size != want["bytes"]:
+            raise BadBundle(f"{f}: {f.stat().st_size} bytes, the manifest says {want['bytes']}")
+        if sha256(f) != want["sha256"]:
+            raise BadBundle(f"{f}: damaged (its SHA-256 is not the manifest's)")
+    meta = json.loads((bundle / "meta.json").read_text())
+    if meta.get("state_omitted"):
+        raise BadBundle(f"{bundle / 'state.pt'}: not in the bundle ({meta['state_omitted']})")
+    return meta
+
+
+def _same(a: float | None, b: float | None, exact: bool) -> bool:
+    if a is None or b is None:
+        return a is b
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    return a == b if exact else abs(a - b) <= TOLERANCE * max(abs(a), abs(b), 1e-30)
+
+
+def replay(bundle: Path) -> dict[str, Any]:
+    import torch
+
+    from stabilize.lit.config import RunConfig
+    from stabilize.trust import torch_load
+
+    meta = check(bundle)
+    cfg = RunConfig.from_dict(meta["config"])
+    state = torch_load(bundle / "state.pt", trusted=False)
+    ranks = torch_load(bundle / "batch.pt", trusted=False)["ranks"]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return _run(bundle, meta, cfg, state, ranks)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def _run(bundle: Path, meta: dict, cfg, state: dict, ranks: list[dict]) -> dict[str, Any]:
+    import torch
+
+    from stabilize.faults import FaultInjector
+    from stabilize.lit.module import step_seed
+    from stabilize.lit.stability.localize import _Trace
+    from stabilize.model import GPT
+    from stabilize.model.logits import lm_loss
+
+    model = GPT(cfg.model)
+    model.load_state_dict(state["model"])
+    model.z_loss = state["train_state"].get("z_loss", cfg.model.z_loss)
+    model.train()
+    dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(cfg.precision.name)
+    scale = meta["recorded"].get("loss_scale") or 1.0
+    scale = scale if scale > 0 else 1.0
+    step, world = meta["step"], meta["world_size"]
+    trace = _Trace(model)
+    losses, sums = [], None
+    try:
+        for r in ranks:
+            inj = None
+            if cfg.fault.kind != "none":
+                inj = FaultInjector(cfg.fault, rank=r["rank"])  # no firing history: it fires
+                if state.get("fault"):
+                    inj.fault.restore(state["fault"])  # the course it had (a drift's factor)
+                inj.attach(model)
+            for p in model.parameters():
+                p.grad = None
+            n = len(r["x"])
+            for x, y, pos in zip(r["x"], r["y"], r["positions"], strict=True):
+                if cfg.model.dropout > 0:
+                    torch.default_generator.manual_seed(step_seed(cfg.seed, pos, r["rank"]))
+                if inj is not None:
+                    inj.begin(step, pos)
+                with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                    loss = lm_loss(model(x), y, model.z_loss)
+                if inj is not None:
+                    loss = inj.on_loss(step, loss)
+                    inj.arm(step, model)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "Full backward hook is firing")
+                    (loss * (scale / n)).backward()
+                if inj is not None:
+                    inj.disarm(model)  # and the fault's after_backward, as in training
+                losses.append(float(loss.detach()))
+            grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+            sums = grads if sums is None else [a + b for a, b in zip(sums, grads, strict=True)]
+    finally:
+        trace.close()
+    inv = torch.full((), scale, dtype=torch.float64).reciprocal().float()  # as GradScaler
+    grads = [g * inv / world if world > 1 else g * inv for g in sums or []]
+    gnorm = float(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else None
+    loss = sum(losses) / len(losses) if losses else None
+    exact = dtype is None and world == 1
+    rec = meta["recorded"]
+    return {
+        "meta": meta,
+        "loss": loss,
+        "grad_norm": gnorm,
+        "exact": exact,
+        "same_loss": _same(loss, rec["loss"], exact),
+        "same_grad_norm": _same(gnorm, rec["grad_norm"], exact),
+        "forward": trace.forward or None,
+        "backward": trace.result(),
+    }
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.6g}"
+
+
+def report(bundle: Path, out: dict[str, Any]) -> list[str]:
+    m, rec = out["meta"], out["meta"]["recorded"]
+    how = "bit for bit" if out["exact"] else f"within {TOLERANCE:g} relative"
+    monitors = ", ".join(dict.fromkeys(e["monitor"] for e in m["events"])) or "on demand"
+    fwd = out["forward"]
+    bwd = out["backward"]
+    lines = [
+        f"replay of step {m['step']} ({monitors}; {m['precision']}, {m['world_size']} rank(s)) "
+        f"from {bundle}",
+        f"  loss {_fmt(out['loss'])} (recorded {_fmt(rec['loss'])}), grad norm "
+        f"{_fmt(out['grad_norm'])} (recorded {_fmt(rec['grad_norm'])}), compared {how}",
+        "  forward: " + (f"first non-finite output in {fwd['module']}" if fwd else "finite"),
+        "  backward: "
+        + (
+            f"first non-finite gradient in {bwd['grad_module']} (its incoming gradient "
+            f"{'finite' if bwd.get('grad_incoming_finite') else 'non-finite'})"
+            if bwd.get("grad_module")
+            else "finite"
+        ),
+    ]
+    ok = out["same_loss"] and out["same_grad_norm"]
+    lines.append(f"reproduces: {'yes' if ok else 'no'}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="stabilize-replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("bundle", type=Path, help="a run's bundles/step-NNNNNN-<monitor> directory")
+    args = p.parse_args(argv)
+    from stabilize.trust import UntrustedFile
+
+    try:
+        out = replay(args.bundle)
+    except (BadBundle, UntrustedFile) as e:
+        print(f"stabilize-replay: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    lines = report(args.bundle, out)
+    print("\n".join(lines))
+    return 0 if lines[-1].endswith("yes") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
