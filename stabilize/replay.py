@@ -12,9 +12,10 @@ the ranks as DDP does. Forward and backward localization are on (the first modul
 output, then whose gradient, went non-finite).
 
 It prints the replayed loss and gradient norm beside the recorded ones and whether the
-failure reproduces: in fp32 on CPU from one rank the numbers are compared bit for bit; in
-16-bit precision, or from several ranks (whose all-reduce sums in another order), within
-a relative 1e-4. Exit 0: it reproduces; 1: it does not.
+failure reproduces: a bundle written by one rank in fp32 on a CPU is compared bit for bit;
+in 16-bit precision, from several ranks (whose all-reduce sums in another order) or from a
+GPU (other kernels), within a relative 1e-4. The replay runs on the CPU. Exit 0: it
+reproduces; 1: it does not.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def replay(bundle: Path) -> dict[str, Any]:
 
     meta = check(bundle)
     cfg = RunConfig.from_dict(meta["config"])
-    state = torch_load(bundle / "state.pt", trusted=False)
-    ranks = torch_load(bundle / "batch.pt", trusted=False)["ranks"]
+    state = torch_load(bundle / "state.pt", trusted=False, map_location="cpu")  # any machine
+    ranks = torch_load(bundle / "batch.pt", trusted=False, map_location="cpu")["ranks"]
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
@@ -144,7 +145,8 @@ def _run(bundle: Path, meta: dict, cfg, state: dict, ranks: list[dict]) -> dict[
     grads = [g * inv / world if world > 1 else g * inv for g in sums or []]
     gnorm = float(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else None
     loss = sum(losses) / len(losses) if losses else None
-    exact = dtype is None and world == 1
+    # bit for bit only where the same kernels ran: one rank, fp32, written on a CPU
+    exact = dtype is None and world == 1 and meta.get("device", "cpu") == "cpu"
     rec = meta["recorded"]
     return {
         "meta": meta,

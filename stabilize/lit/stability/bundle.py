@@ -120,6 +120,7 @@ def write_bundle(trainer, pl_module, stats, events, batches, positions, rcfg) ->
         "format": FORMAT,
         "step": stats.step,
         "world_size": world,
+        "device": pl_module.device.type,
         "precision": pl_module.cfg.precision.name,
         "recorded": {
             "loss": stats.loss,
