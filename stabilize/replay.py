@@ -73,7 +73,7 @@ def _same(a: float | None, b: float | None, exact: bool) -> bool:
     return a == b if exact else abs(a - b) <= TOLERANCE * max(abs(a), abs(b), 1e-30)
 
 
-def replay(bundle: Path) -> dict[str, Any]:
+def replay(bundle: Path, fp32_sites: frozenset[str] = frozenset()) -> dict[str, Any]:
     import torch
 
     from stabilize.lit.config import RunConfig
@@ -86,12 +86,32 @@ def replay(bundle: Path) -> dict[str, Any]:
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        return _run(bundle, meta, cfg, state, ranks)
+        return _run(bundle, meta, cfg, state, ranks, fp32_sites)
     finally:
         torch.use_deterministic_algorithms(was)
 
 
-def _run(bundle: Path, meta: dict, cfg, state: dict, ranks: list[dict]) -> dict[str, Any]:
+class _Overflows:
+    """A norm's stats sink (norms/module.py ``stats_sink``): the norms whose reduction
+    overflowed in the replay (their per-row statistic is inf), by name."""
+
+    def __init__(self, model):
+        from stabilize.norms import Norm
+
+        found = [(n, m) for n, m in model.named_modules() if isinstance(m, Norm)]
+        self.names = [n for n, _ in found]
+        self.hit: set[str] = set()
+        for j, (_, m) in enumerate(found):
+            m.stats_sink, m.stats_index = self, j
+
+    def record_norm(self, j, x, ms, kind) -> None:
+        import torch
+
+        if ms is not None and bool(torch.isinf(ms).any()):
+            self.hit.add(self.names[j])
+
+
+def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites) -> dict[str, Any]:
     import torch
 
     from stabilize.faults import FaultInjector
@@ -103,6 +123,10 @@ def _run(bundle: Path, meta: dict, cfg, state: dict, ranks: list[dict]) -> dict[
     model = GPT(cfg.model)
     model.load_state_dict(state["model"])
     model.z_loss = state["train_state"].get("z_loss", cfg.model.z_loss)
+    norms = dict(model.named_modules())
+    for site in fp32_sites:
+        norms[site].reduction_dtype = "fp32"
+    overflows = _Overflows(model)
     model.train()
     dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(cfg.precision.name)
     scale = meta["recorded"].get("loss_scale") or 1.0
@@ -155,9 +179,63 @@ def _run(bundle: Path, meta: dict, cfg, state: dict, ranks: list[dict]) -> dict[
         "exact": exact,
         "same_loss": _same(loss, rec["loss"], exact),
         "same_grad_norm": _same(gnorm, rec["grad_norm"], exact),
+        "overflowed": sorted(overflows.hit),
+        "dtypes": {n: m.reduction_dtype for n, m in norms.items() if n in overflows.names},
         "forward": trace.forward or None,
         "backward": trace.result(),
     }
+
+
+def fails(out: dict[str, Any]) -> bool:
+    """The replayed step fails: a norm's reduction overflowed, or the loss or the gradient
+    norm is not finite."""
+    bad = [v for v in (out["loss"], out["grad_norm"]) if v is None or not math.isfinite(v)]
+    return bool(out["overflowed"] or bad)
+
+
+def bisect(bundle: Path) -> dict[str, Any]:
+    """The smallest set of norms whose reduction in fp32 clears the failing step, found by
+    halving (one culprit: ~2 log2(sites) + 2 replays): a set that clears is split, and a
+    half that clears alone is kept; when neither does, each half is minimized with the
+    other held."""
+    first = replay(bundle)
+    sites = sorted(n for n, d in first["dtypes"].items() if d != "fp32")
+    count = 1
+    out = {"sites": sites, "failing": fails(first), "overflowed": first["overflowed"]}
+    if not out["failing"] or not sites:
+        return {**out, "culprits": None, "replays": count}
+    memo: dict[frozenset, bool] = {}
+
+    def clears(switched: frozenset) -> bool:
+        nonlocal count
+        if switched not in memo:
+            count += 1
+            memo[switched] = not fails(replay(bundle, switched))
+        return memo[switched]
+
+    if not clears(frozenset(sites)):
+        return {**out, "culprits": [], "replays": count}  # not a norm-precision failure
+
+    def shrink(cand: list[str], held: frozenset) -> list[str]:
+        if len(cand) <= 1:
+            return cand
+        a, b = cand[: len(cand) // 2], cand[len(cand) // 2 :]
+        if clears(held | frozenset(a)):
+            return shrink(a, held)
+        if clears(held | frozenset(b)):
+            return shrink(b, held)
+        ka = shrink(a, held | frozenset(b))
+        return ka + shrink(b, held | frozenset(ka))
+
+    culprits = sorted(shrink(sites, frozenset()))
+    return {**out, "culprits": culprits, "replays": count}
+
+
+def override(culprits: list[str]) -> str:
+    """The Hydra override that switches exactly those norms' reductions to fp32."""
+    return (
+        "++model.norm_sites={" + ",".join(f"{c}:{{reduction_dtype:fp32}}" for c in culprits) + "}"
+    )
 
 
 def _fmt(v) -> str:
@@ -192,10 +270,14 @@ def report(bundle: Path, out: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="stabilize-replay", description=__doc__.split("\n\n")[0])
     p.add_argument("bundle", type=Path, help="a run's bundles/step-NNNNNN-<monitor> directory")
+    p.add_argument("--bisect", action="store_true", help="find the fewest norms whose fp32 "
+                   "reduction clears the step; print them as a Hydra override")  # fmt: skip
     args = p.parse_args(argv)
     from stabilize.trust import UntrustedFile
 
     try:
+        if args.bisect:
+            return _bisect_main(args.bundle)
         out = replay(args.bundle)
     except (BadBundle, UntrustedFile) as e:
         print(f"stabilize-replay: {e}", file=sys.stderr)
@@ -203,6 +285,21 @@ def main(argv: list[str] | None = None) -> int:
     lines = report(args.bundle, out)
     print("\n".join(lines))
     return 0 if lines[-1].endswith("yes") else 1
+
+
+def _bisect_main(bundle: Path) -> int:
+    b = bisect(bundle)
+    head = f"bisection over {len(b['sites'])} norms with a 16-bit reduction, {b['replays']} replays"
+    if b["culprits"] is None:
+        print(f"{head}: the step does not fail in the replay (nothing to bisect)")
+        return 1
+    if not b["culprits"]:
+        print(f"{head}: every norm in fp32 does not clear it: not a norm-precision failure")
+        return 1
+    print(f"{head}: fp32 at {', '.join(b['culprits'])} clears the step "
+          f"(overflowed in the replay: {', '.join(b['overflowed']) or 'none'})")  # fmt: skip
+    print(f"run with: {override(b['culprits'])}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ PUBLISHED_PARAMS = {
 }
 
 
+SITE_KEYS = ("reduction_dtype", "eps")  # what model.norm_sites may set per norm
+
+
 @dataclass
 class GPTConfig:
     name: str = "custom"  # the preset it came from, for logs and reports
@@ -48,6 +51,9 @@ class GPTConfig:
     z_loss: float = 0.0  # PaLM's auxiliary loss coefficient * mean(log Z^2); 0: off
     logit_softcap: float = 0.0  # Gemma 2: logits -> cap * tanh(logits / cap); 0: off
     norm: NormConfig = field(default_factory=NormConfig)
+    # per-site norm settings over ``norm``'s: module name -> {reduction_dtype, eps}, e.g.
+    # {"h.1.ln_2": {"reduction_dtype": "fp32"}} (what ``stabilize-replay --bisect`` prints)
+    norm_sites: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.norm = build_dataclass(NormConfig, self.norm, "norm")
@@ -65,6 +71,10 @@ class GPTConfig:
         check_range("model.z_loss", self.z_loss, 0.0, float("inf"))
         check_range("model.logit_softcap", self.logit_softcap, 0.0, float("inf"))
         check_choice("model.activation", self.activation, ACTIVATIONS)
+        self.norm_sites = {str(k): dict(v or {}) for k, v in dict(self.norm_sites or {}).items()}
+        for site, kv in self.norm_sites.items():
+            for k in kv:
+                check_choice(f"model.norm_sites.{site}", k, SITE_KEYS)
 
     @property
     def head_dim(self) -> int:

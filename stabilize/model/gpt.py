@@ -13,6 +13,20 @@ from stabilize.model.logits import LogitSoftcap
 from stabilize.norms import Norm
 
 
+def apply_norm_sites(model: nn.Module, sites: dict[str, dict]) -> None:
+    """``model.norm_sites``: each named norm's own reduction dtype / eps over the shared
+    ``norm`` settings (a site not among the model's norms is refused, naming them)."""
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, Norm)}
+    for site, kv in sites.items():
+        if site not in norms:
+            raise ValueError(
+                f"model.norm_sites.{site} is not allowed: no norm of that name; allowed: "
+                f"{sorted(norms)}"
+            )
+        for k, v in kv.items():
+            setattr(norms[site], k, float(v) if k == "eps" else v)
+
+
 class GPT(nn.Module):
     """With LayerNorm, pre placement, biases and gelu_tanh this is exactly GPT-2."""
 
@@ -32,6 +46,7 @@ class GPT(nn.Module):
         # buffer, so a remedy can switch it on mid-run (rollback/remedies.py, z_loss)
         self.z_loss = cfg.z_loss
         self.reset_parameters()
+        apply_norm_sites(self, cfg.norm_sites)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -12,6 +12,8 @@ the fp32 reduction is this project's own, docs/rollback.md):
   restored one;
 - ``lower_lr``: multiply the LR scale by ``rollback.remedy.lower_lr.factor``;
 - ``fp32_reduction``: switch every norm's reduction to fp32;
+- ``fp32_sites``: switch to fp32 only the norms whose reduction overflowed in the failing
+  step (kept in checkpoints; not in the default ladder);
 - ``z_loss``: switch PaLM's z-loss on (``rollback.remedy.z_loss.weight`` x mean(log Z^2)
   added to the loss;
   Wortsman et al. 2023 found it prevents output-logit divergence), mid-run.
@@ -159,6 +161,34 @@ class FP32Reduction(Remedy):
         set_reduction_dtype(state.model, "fp32")  # a module attribute, not in the state dict
 
 
+class FP32Sites(Remedy):
+    """Switches to fp32 only the norms whose reduction overflowed in the failing step (the
+    verdict's layers, ``state.fault_sites``): the ladder changes what failed and nothing
+    else (``stabilize-replay --bisect`` finds the same set from a bundle). The sites are
+    kept in the train state (checkpoints), so a resume switches them again."""
+
+    name = "fp32_sites"
+    sites = ("overflow",)
+
+    def unchanged(self, state: TrainState, cfg: None) -> str | None:
+        norms = {n: m for n, m in state.model.named_modules() if isinstance(m, Norm)}
+        todo = [s for s in state.fault_sites if s in norms and norms[s].reduction_dtype != "fp32"]
+        return None if todo else "no overflowed norm left to switch to fp32"
+
+    def apply(self, state: TrainState, cfg: None) -> dict[str, Any]:
+        norms = {n: m for n, m in state.model.named_modules() if isinstance(m, Norm)}
+        done = [s for s in state.fault_sites if s in norms and norms[s].reduction_dtype != "fp32"]
+        for s in done:
+            norms[s].reduction_dtype = "fp32"
+        state.fp32_sites = sorted({*state.fp32_sites, *done})
+        return {"norms_switched": len(done), "sites": done}
+
+    def reapply(self, state: TrainState, cfg: None, times: int) -> None:
+        norms = dict(state.model.named_modules())
+        for s in state.fp32_sites:  # module attributes, not in the state dict
+            norms[s].reduction_dtype = "fp32"
+
+
 @dataclass
 class ZLossConfig:
     """``rollback.remedy.z_loss``."""
@@ -223,3 +253,4 @@ def reapply_remedies(state: TrainState, names: list[str], cfgs: dict[str, Any]) 
 for _remedy in (Retry(), SkipData(), LowerLR(), FP32Reduction(), ZLoss()):
     register_remedy(_remedy)
 register_remedy(SkipBatch())
+register_remedy(FP32Sites())

@@ -34,6 +34,11 @@ class TrainState:
     place."""
     fault_batches: list[int] = field(default_factory=list)
     """The data positions the fault being answered was found in (set before a remedy)."""
+    fault_sites: list[str] = field(default_factory=list)
+    """The norms whose reduction overflowed in the fault being answered (set before a
+    remedy; ``fp32_sites`` switches them)."""
+    fp32_sites: list[str] = field(default_factory=list)
+    """The norms ``fp32_sites`` switched to fp32 (saved: a resume switches them again)."""
     skip_step: bool = False
     """Set by the stability callback: the step in flight is judged bad and is not applied."""
 
@@ -52,6 +57,7 @@ class TrainState:
             "remedies": list(self.remedies),
             "z_loss": float(self.model.z_loss),  # the z_loss remedy may have switched it on
             "skipped": sorted(self.skipped),
+            "fp32_sites": list(self.fp32_sites),
         }
 
     def load_state_dict(self, state: dict[str, Any], z_loss: float) -> None:
@@ -64,4 +70,5 @@ class TrainState:
         self.remedies = list(state.get("remedies", []))
         self.model.z_loss = state.get("z_loss", z_loss)
         self.skipped |= set(state.get("skipped", []))  # in place (the sampler's set)
+        self.fp32_sites = list(state.get("fp32_sites", []))
         self.data_step = self.next_position(state["data_step"])

@@ -167,6 +167,9 @@ class StabilityCallback(L.Callback):
             self._scan_grads(pl_module, stats, events)
         bad = [e for e in events if e.kind == ROLLBACK]
         if bad:
+            over = [e.layer for e in bad if e.monitor == "overflow"]
+            if over:  # every norm that overflowed at this step (the fp32_sites remedy)
+                bad[0].extra["overflowed"] = over
             self._classify(trainer, pl_module, bad)
         self._bundle(trainer, pl_module, stats, events, bad)
         if bad and self.rollback_on:

@@ -125,6 +125,8 @@ class RollbackController:
         def unchanged(rung: str) -> str | None:
             return get_remedy(rung).unchanged(pl_module.train_state, self.cfg.remedy.get(rung))
 
+        # what the fault touched, before the policy asks a rung whether it would change it
+        pl_module.train_state.fault_sites = list(event.extra.get("overflowed", []))
         decision = self.policy.decide(event, self.ring, unchanged)
         if decision.action == "abort":
             self.abort(trainer, pl_module, event, decision.reason, last)
