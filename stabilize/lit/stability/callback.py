@@ -163,7 +163,8 @@ class StabilityCallback(L.Callback):
         stats = self._gather(trainer, pl_module, optimizer)
         events = self.suite.update(stats)
         self.last = stats
-        if stats.grad_norm is not None and not math.isfinite(stats.grad_norm):
+        nonfinite = stats.grad_norm is not None and not math.isfinite(stats.grad_norm)
+        if nonfinite and not _sharded(trainer):  # FSDP: each rank holds a shard's gradients
             self._scan_grads(pl_module, stats, events)
         bad = [e for e in events if e.kind == ROLLBACK]
         if bad:

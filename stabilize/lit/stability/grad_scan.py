@@ -18,8 +18,10 @@ are scanned once:
   order; the replay, where the fault recurs, names it exactly.
 
 Under DDP the gradients are already averaged over ranks, so the module is named, not the
-rank; under FSDP each rank scans its own shard. Per-block gradient norms of the same pass
-are returned too, non-finite ones kept (the log of that step shows them as inf / nan).
+rank. Under FSDP (sharded gradients) the scan is not made, like the replay: each rank would
+see only its shard (and in tests here a scan there made a rank abort at exit, 2 runs in
+14). Per-block gradient norms of the same pass are returned too, non-finite ones kept (the
+log of that step shows them as inf / nan).
 """
 
 from __future__ import annotations
