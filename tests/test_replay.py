@@ -1,4 +1,4 @@
-"""Repro bundles (lit/stability/bundle.py) and ``stabilize-replay`` (stabilize/replay.py):
+"""Repro bundles (lit/stability/bundle.py) and ``stabilize-replay`` (stabilize/replay/):
 a bundle written by a real run replays in another process; fp32 on CPU bit for bit against
 what the run recorded, a 2-rank DDP run within the stated tolerance; a damaged bundle is
 one line and exit 2."""
@@ -83,3 +83,11 @@ def test_a_two_rank_ddp_bundle_is_one_copy_and_replays(tmp_path):
     out = replay(b)  # both ranks' micro-batches, their gradients averaged as DDP does
     assert not out["exact"] and out["same_loss"] and out["same_grad_norm"], out
     assert out["meta"]["recorded"]["grad_norm"] > 100
+
+
+def test_a_step_that_does_not_fail_has_no_sequence_to_bisect(spiked):
+    """A grad spike's loss and gradient norm are finite: no row fails, one replay."""
+    from stabilize.replay.bisect import data
+
+    b = data(spiked)
+    assert (b["failing"], b["culprits"], b["replays"], b["rows"]) == (False, None, 1, 4)

@@ -20,11 +20,11 @@ No Lightning, Hydra or torch.distributed here: rank and world_size are passed in
 
 from stabilize.data.cache import CachedCorpus, default_cache_dir, open_token_cache
 from stabilize.data.choice import TRAINERS, TokenizerChoice, choose_tokenizer, follow_vocab
-from stabilize.data.config import SOURCES, SUFFIX_BUILDERS, DataConfig
+from stabilize.data.config import SOURCES, SUFFIX_BUILDERS, DataConfig, parse_skip_items
 from stabilize.data.corpus import DOC_SEPARATOR, embedded_corpus, load_corpus, load_val_corpus
 from stabilize.data.hf_tokenizer import HFTokenizer, train_bpe
-from stabilize.data.loaders import build_dataloaders, token_stream
-from stabilize.data.packing import PackedBlocks, StepTagged, split_stream
+from stabilize.data.loaders import build_dataloaders, share_skips, token_stream
+from stabilize.data.packing import PackedBlocks, StepTagged, block_hash, split_stream
 from stabilize.data.sampler import StepSampler, epoch_permutation
 from stabilize.data.token_file import TokenArray
 from stabilize.data.tokenizer import (
@@ -59,6 +59,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerChoice",
     "bits_per_byte",
+    "block_hash",
     "build_dataloaders",
     "build_tokenizer",
     "choose_tokenizer",
@@ -69,7 +70,9 @@ __all__ = [
     "load_corpus",
     "load_val_corpus",
     "open_token_cache",
+    "parse_skip_items",
     "register_tokenizer",
+    "share_skips",
     "unregister_tokenizer",
     "split_stream",
     "stream_dtype",

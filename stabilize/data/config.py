@@ -71,8 +71,16 @@ class DataConfig:
     """hub only: the dataset's own validation split, used when the dataset has it (then
     ``val_fraction`` is not used); None: always the tail split."""
 
+    skip_items: list[str] = field(default_factory=list)
+    """Training sequences never trained on, each ``"INDEX:HASH"``: the block index and its
+    content hash (``packing.block_hash``), as ``stabilize-replay --data`` prints them. A
+    block whose content does not hash to HASH is refused at start-up (another corpus,
+    tokenizer or block_size). Each is replaced by the next block in corpus order."""
+
     def __post_init__(self) -> None:
         check_choice("data.source", self.source, SOURCES)
+        self.skip_items = [str(s) for s in _as_list(self.skip_items)]
+        parse_skip_items(self.skip_items)
         self.paths, self.val_paths = _as_list(self.paths), _as_list(self.val_paths)
         if self.source == "local":
             self._check_paths("data.paths", self.paths)
@@ -141,6 +149,22 @@ class DataConfig:
                 f"{key}={paths!r} is not allowed: it mixes file types {suffixes}; "
                 "allowed: files of one type (.txt/.text, .jsonl/.json or .parquet)"
             )
+
+
+def parse_skip_items(entries: list[str]) -> dict[int, str]:
+    """``data.skip_items`` as {block index: content hash}; a malformed entry is refused."""
+    out: dict[int, str] = {}
+    for k, e in enumerate(entries):
+        index, _, digest = str(e).partition(":")
+        ok = index.isdigit() and len(digest) == 16
+        ok = ok and all(c in "0123456789abcdef" for c in digest)
+        if not ok:
+            raise ConfigError(
+                f"data.skip_items[{k}]={e!r} is not allowed; allowed: 'INDEX:HASH', a block "
+                "index and its 16-hex-digit content hash (as stabilize-replay --data prints)"
+            )
+        out[int(index)] = digest
+    return out
 
 
 def _is_text_encoding(name: str) -> bool:

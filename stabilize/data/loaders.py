@@ -95,3 +95,21 @@ def build_dataloaders(
     kw = dict(num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
     train_loader = DataLoader(StepTagged(train) if tagged else train, batch_sampler=sampler, **kw)
     return train_loader, DataLoader(val, batch_sampler=val_index, **kw)
+
+
+def share_skips(loader: DataLoader, positions: set[int], items: dict[int, str]) -> None:
+    """Make ``loader``'s sampler hold these very skip sets (later skips apply too), once
+    every skipped item's content is checked against this corpus's block at that index."""
+    blocks = loader.dataset
+    blocks = getattr(blocks, "dataset", blocks)  # StepTagged wraps PackedBlocks
+    for i, digest in sorted(items.items()):
+        have = blocks.item_hash(i) if 0 <= i < len(blocks) else None
+        if have != digest:
+            found = f"hashes to {have}" if have else f"is not one of its {len(blocks)} blocks"
+            raise ConfigError(
+                f"data.skip_items: '{i}:{digest}' is not allowed here: block {i} of this "
+                f"corpus {found}; the sequence recorded is not at that index (another "
+                "corpus, tokenizer or block_size)"
+            )
+    loader.batch_sampler.skip = positions
+    loader.batch_sampler.skip_items = items

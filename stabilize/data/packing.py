@@ -6,6 +6,7 @@ order; StepTagged carries each item's data step so a consumer can tell a stale p
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -44,6 +45,18 @@ class PackedBlocks(Dataset):
             raise IndexError(f"block {i} out of range [0, {len(self)})")
         s, t = self.stream, self.block_size
         return s[i * t : i * t + t].long(), s[i * t + 1 : i * t + t + 1].long()
+
+    def item_hash(self, i: int) -> str:
+        """Item i's content hash (``block_hash``)."""
+        return block_hash(*self[i])
+
+
+def block_hash(x: torch.Tensor, y: torch.Tensor) -> str:
+    """A block's content hash: SHA-256 of its T+1 token ids (x, then y's last) as int64
+    little-endian, its first 16 hex digits. It names a sequence across runs: the block index
+    alone moves with the corpus, the tokenizer and block_size."""
+    ids = torch.cat([x.reshape(-1), y.reshape(-1)[-1:]]).to(torch.int64)
+    return hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest()[:16]
 
 
 class StepTagged(Dataset):

@@ -64,6 +64,9 @@ class StepSampler(Sampler[list[int]]):
         self.position = start_step  # the next step to yield; seek() moves it
         self.tagged = tagged
         self.skip: set[int] = set()  # steps never yielded (a data-linked fault's batches)
+        # items never yielded (a data-linked fault's sequences, by index -> content hash):
+        # each is replaced by the next item in corpus order that is not skipped
+        self.skip_items: dict[int, str] = {}
         self._perms: dict[int, torch.Tensor] = {}  # at most the two epochs a batch can span
 
     def _perm(self, epoch: int) -> torch.Tensor:
@@ -84,7 +87,16 @@ class StepSampler(Sampler[list[int]]):
             take = min(end - p, self.n_items - i)
             out.extend(self._perm(epoch)[i : i + take].tolist())
             p += take
-        return out
+        return [self.substitute(i) for i in out] if self.skip_items else out
+
+    def substitute(self, item: int) -> int:
+        """``item``, or the next item in corpus order (wrapping) that is not skipped: the
+        batch keeps its size and the order stays a pure function of (seed, step)."""
+        if len(self.skip_items) >= self.n_items:
+            raise ValueError(f"every one of the {self.n_items} items is skipped")
+        while item in self.skip_items:
+            item = (item + 1) % self.n_items
+        return item
 
     def seek(self, step: int) -> None:
         """Continue from ``step`` (a rollback rewinds here, a data skip jumps ahead)."""

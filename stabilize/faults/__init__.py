@@ -6,8 +6,8 @@ forward, rollback and checkpoint state), registered by name (``base.register_fau
 ``FaultInjector`` drives it.
 
 Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike`` (``point.py``),
-``activation_drift`` (``drift.py``), ``stream_drift`` (``stream.py``), ``bitflip`` and
-``poisoned_batch`` (``silent.py``).
+``activation_drift`` (``drift.py``), ``stream_drift`` (``stream.py``), ``bitflip``,
+``poisoned_batch`` and ``poisoned_item`` (``silent.py``).
 Each has its config dataclass (``FaultConfig``'s common keys plus its own knobs);
 ``fault_config`` builds the one ``fault.kind`` names. To add one: subclass ``PointFault``
 (or ``Fault``), set ``kind`` and ``config`` (a ``FaultConfig`` subclass with its knobs),

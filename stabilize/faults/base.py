@@ -83,6 +83,9 @@ class Fault:
         the data position of its micro-batch (-1: unknown)."""
         self.step, self.data_step = step, data_step
 
+    def bind_data(self, blocks) -> None:
+        """At train start: the training blocks (``PackedBlocks``), for a fault on content."""
+
     def attach(self, model: nn.Module) -> None:
         """Once, before the monitors' hooks: install forward hooks (they run first)."""
 

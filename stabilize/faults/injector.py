@@ -81,6 +81,10 @@ class FaultInjector:
     def attach(self, model: nn.Module) -> None:
         self.fault.attach(model)
 
+    def bind_data(self, blocks) -> None:
+        """The training blocks, at train start (a fault on content reads its sequence)."""
+        self.fault.bind_data(blocks)
+
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         return self.fault.on_loss(step, loss)
 

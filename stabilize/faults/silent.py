@@ -10,6 +10,10 @@
   ``data_step``) gives a NaN loss every time it is trained on, whatever the model step; on
   ``fault.rank`` or every rank. A replay of the step fails again, the next batch from the
   same state does not: *data-linked*.
+- ``poisoned_item``: the training sequence of block ``fault.item`` makes its own row of the
+  embedding output NaN wherever it is trained (any data position, any epoch, any row of the
+  batch): the content is poisoned, as a real bad sequence is, so a replay of a subset of the
+  batch's rows fails exactly when it holds that row (``stabilize-replay --data``).
 """
 
 from __future__ import annotations
@@ -103,3 +107,60 @@ class PoisonedBatch(Fault):
             return loss
         self.fired.add(step)
         return loss * float("nan")
+
+
+@dataclass
+class PoisonedItemConfig(FaultConfig):
+    step: int = 1
+    """Unused: the sequence, not the step, is poisoned."""
+    item: int = 0
+    """The training block (corpus item index) whose content is poisoned."""
+
+    def check(self) -> None:
+        check_range("fault.item", self.item, 0, float("inf"))
+
+
+@register_fault
+class PoisonedItem(Fault):
+    """Rows whose input ids equal block ``fault.item``'s get a NaN embedding, in training.
+
+    The ids are bound once the training blocks are known (``bind_data``, at train start)
+    and are part of the fault's course (``snapshot_state``), so a repro bundle's replay
+    recognises the sequence without the corpus."""
+
+    kind = "poisoned_item"
+    config = PoisonedItemConfig
+
+    def __init__(self, cfg: FaultConfig, rank: int = 0):
+        super().__init__(cfg, rank)
+        self.ids: torch.Tensor | None = None  # the poisoned block's input ids
+
+    def bind_data(self, blocks) -> None:
+        if not 0 <= self.cfg.item < len(blocks):
+            raise ConfigError(
+                f"fault.item={self.cfg.item} is not allowed; allowed: a training block in "
+                f"[0, {len(blocks)})"
+            )
+        self.ids = blocks[self.cfg.item][0].clone()
+
+    def attach(self, model: nn.Module) -> None:
+        model.wte.register_forward_hook(self._poison)
+
+    def _poison(self, module, args, out):
+        idx = args[0]
+        if self.ids is None or not module.training or not self.mine():  # bad data stays bad
+            return out
+        if idx.shape[-1] != self.ids.numel():
+            return out
+        rows = (idx == self.ids.to(idx.device)).all(dim=-1)  # [B]
+        if not bool(rows.any()):
+            return out
+        self.fired.add(self.step)
+        return torch.where(rows[:, None, None], out * float("nan"), out)
+
+    def snapshot_state(self) -> dict:
+        return {"poison_ids": self.ids.tolist() if self.ids is not None else None}
+
+    def restore(self, state: dict) -> None:
+        if state.get("poison_ids") is not None:
+            self.ids = torch.tensor(state["poison_ids"], dtype=torch.int64)

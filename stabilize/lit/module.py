@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from stabilize.compat import scaler_scale, uncount_batch
-from stabilize.data import bits_per_byte, build_dataloaders
+from stabilize.data import bits_per_byte, build_dataloaders, share_skips
 from stabilize.lit.config import OptimConfig, RunConfig
 from stabilize.lit.fsdp import full_norm, shard_model
 from stabilize.lit.saved_state import restore_state, saved_state
@@ -130,9 +130,8 @@ class GPTLitModule(L.LightningModule):
             val_batches=self.cfg.trainer.limit_val_batches,
             tagged=True,
         )
-        loaders[
-            0
-        ].batch_sampler.skip = self.train_state.skipped  # the same set: later skips apply too
+        ts = self.train_state
+        share_skips(loaders[0], ts.skipped, ts.skipped_items)  # the same sets: later skips too
         self._loader_cache = (self.train_state.data_step, loaders)
         return loaders
 

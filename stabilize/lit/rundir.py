@@ -37,6 +37,7 @@ RUN_FILES = (
     "diagnosis.json",
     "replicas.json",
     "skipped_batches.json",
+    "skipped_items.json",  # sequences stabilize-replay --data found (a resume skips them)
     "audit.jsonl",
     "final_eval.json",
     "checkpoints",

@@ -32,6 +32,9 @@ class TrainState:
     skipped: set[int] = field(default_factory=set)
     """Data positions never trained on. The train sampler holds this very set: change it in
     place."""
+    skipped_items: dict[int, str] = field(default_factory=dict)
+    """Training sequences never trained on: block index -> content hash (``data.skip_items``,
+    ``skipped_items.json``, checkpoints). The train sampler holds this very dict."""
     fault_batches: list[int] = field(default_factory=list)
     """The data positions the fault being answered was found in (set before a remedy)."""
     fault_sites: list[str] = field(default_factory=list)
@@ -57,6 +60,7 @@ class TrainState:
             "remedies": list(self.remedies),
             "z_loss": float(self.model.z_loss),  # the z_loss remedy may have switched it on
             "skipped": sorted(self.skipped),
+            "skipped_items": {str(i): h for i, h in sorted(self.skipped_items.items())},
             "fp32_sites": list(self.fp32_sites),
         }
 
@@ -70,5 +74,6 @@ class TrainState:
         self.remedies = list(state.get("remedies", []))
         self.model.z_loss = state.get("z_loss", z_loss)
         self.skipped |= set(state.get("skipped", []))  # in place (the sampler's set)
+        self.skipped_items.update({int(i): h for i, h in state.get("skipped_items", {}).items()})
         self.fp32_sites = list(state.get("fp32_sites", []))
         self.data_step = self.next_position(state["data_step"])

@@ -16,7 +16,7 @@ back or would; ``always``, on warnings and scaler skips too; ``off``) under
 - ``manifest.json`` last: each file's size and SHA-256. The directory is written as
   ``.tmp`` and renamed when whole.
 
-``stabilize-replay BUNDLE`` (stabilize/replay.py) rebuilds the step from it. FSDP (sharded
+``stabilize-replay BUNDLE`` (stabilize/replay/) rebuilds the step from it. FSDP (sharded
 parameters) is not bundled: each rank holds only its shard (one console line says so).
 """
 

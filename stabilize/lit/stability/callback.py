@@ -17,13 +17,18 @@ import lightning as L
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
+from stabilize.data import parse_skip_items
 from stabilize.faults import FaultConfig, FaultInjector
 from stabilize.lit.fsdp import is_fsdp
 from stabilize.lit.probe import StabilityProbe
 from stabilize.lit.stability import grad_scan
 from stabilize.lit.stability.bundle import write_bundle
 from stabilize.lit.stability.classify import LOCALIZED, Classifier
-from stabilize.lit.stability.controller import RollbackController, load_skipped
+from stabilize.lit.stability.controller import (
+    RollbackController,
+    load_skipped,
+    load_skipped_items,
+)
 from stabilize.lit.stability.gather import HEAD, StepGather
 from stabilize.lit.stability.sink import EventSink
 from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
@@ -102,6 +107,10 @@ class StabilityCallback(L.Callback):
         # a data-linked fault's batches stay skipped across launches (in place: the
         # sampler shares the set)
         pl_module.train_state.skipped |= load_skipped(self.run_dir)
+        # and the sequences found by stabilize-replay --data, or named in data.skip_items
+        items = pl_module.train_state.skipped_items
+        items.update(parse_skip_items(pl_module.cfg.data.skip_items))
+        items.update(load_skipped_items(self.run_dir))
         if self.mcfg.enabled:
             self.probe = StabilityProbe(model, lead=HEAD)
         # DDP replicas hold the same state: each rank snapshots 1/world of it (sharded.py)
@@ -112,6 +121,8 @@ class StabilityCallback(L.Callback):
             rank_zero_info(f"[stability] snapshots sharded: each of {world} ranks keeps 1/{world}")
 
     def on_train_start(self, trainer, pl_module):
+        data = pl_module.train_dataloader().dataset  # the trainer's (cached) loader's
+        self.injector.bind_data(getattr(data, "dataset", data))  # the blocks, untagged
         if self.rollback_on:
             self._snapshot(trainer, pl_module)  # a floor to return to, before any step
 

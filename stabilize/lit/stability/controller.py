@@ -47,6 +47,17 @@ def load_skipped(run_dir: str | Path) -> set[int]:
     return {int(b["data_step"]) for b in json.loads(path.read_text())["batches"]}
 
 
+SKIPPED_ITEMS = "skipped_items.json"  # sequences never to train on (stabilize-replay --data)
+
+
+def load_skipped_items(run_dir: str | Path) -> dict[int, str]:
+    """The sequences (block index -> content hash) a run dir's ``skipped_items.json`` lists."""
+    path = Path(run_dir) / SKIPPED_ITEMS
+    if not path.exists():
+        return {}
+    return {int(e["index"]): e["hash"] for e in json.loads(path.read_text())["items"]}
+
+
 class StabilityAbort(RuntimeError):
     """Raised on every rank at once when the policy gives up; carries the diagnosis."""
 

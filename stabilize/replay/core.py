@@ -1,6 +1,4 @@
-"""``stabilize-replay BUNDLE``: replay a failing step from its repro bundle, in this process.
-
-    stabilize-replay runs/x/bundles/step-000004-nonfinite
+"""Replay a failing step from its repro bundle, in this process (``stabilize-replay``).
 
 The bundle (lit/stability/bundle.py) is checked first: every file its manifest lists must
 be there with its size and SHA-256, and its format this one; otherwise one line naming the
@@ -20,15 +18,11 @@ reproduces; 1: it does not.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
-
-from stabilize.exits import EXIT_CONFIG
 
 TOLERANCE = 1e-4  # relative, where the comparison cannot be bitwise
 
@@ -73,7 +67,11 @@ def _same(a: float | None, b: float | None, exact: bool) -> bool:
     return a == b if exact else abs(a - b) <= TOLERANCE * max(abs(a), abs(b), 1e-30)
 
 
-def replay(bundle: Path, fp32_sites: frozenset[str] = frozenset()) -> dict[str, Any]:
+def replay(
+    bundle: Path, fp32_sites: frozenset[str] = frozenset(), rows: frozenset | None = None
+) -> dict[str, Any]:
+    """Replay the bundle's step; ``fp32_sites``: norms whose reduction runs in fp32;
+    ``rows``: only these sequences, as (rank, micro-batch, row) (None: all of them)."""
     import torch
 
     from stabilize.lit.config import RunConfig
@@ -86,7 +84,7 @@ def replay(bundle: Path, fp32_sites: frozenset[str] = frozenset()) -> dict[str, 
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        return _run(bundle, meta, cfg, state, ranks, fp32_sites)
+        return _run(bundle, meta, cfg, state, ranks, fp32_sites, rows)
     finally:
         torch.use_deterministic_algorithms(was)
 
@@ -111,7 +109,7 @@ class _Overflows:
             self.hit.add(self.names[j])
 
 
-def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites) -> dict[str, Any]:
+def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites, rows) -> dict:
     import torch
 
     from stabilize.faults import FaultInjector
@@ -134,18 +132,26 @@ def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites) ->
     step, world = meta["step"], meta["world_size"]
     trace = _Trace(model)
     losses, sums = [], None
+    inj = None
+    if cfg.fault.kind != "none":
+        inj = FaultInjector(cfg.fault)  # attached once: its forward hooks are not removable
+        inj.attach(model)
     try:
         for r in ranks:
-            inj = None
-            if cfg.fault.kind != "none":
-                inj = FaultInjector(cfg.fault, rank=r["rank"])  # no firing history: it fires
+            if inj is not None:  # as that rank's, with no firing history: it fires
+                inj.rank = inj.fault.rank = r["rank"]
+                inj.fault.fired, inj.fault.disabled = set(), False
                 if state.get("fault"):
                     inj.fault.restore(state["fault"])  # the course it had (a drift's factor)
-                inj.attach(model)
             for p in model.parameters():
                 p.grad = None
             n = len(r["x"])
-            for x, y, pos in zip(r["x"], r["y"], r["positions"], strict=True):
+            for m, (x, y, pos) in enumerate(zip(r["x"], r["y"], r["positions"], strict=True)):
+                if rows is not None:  # a subset of the sequences (the data bisection)
+                    keep = [j for j in range(len(x)) if (r["rank"], m, j) in rows]
+                    if not keep:
+                        continue
+                    x, y = x[keep], y[keep]
                 if cfg.model.dropout > 0:
                     torch.default_generator.manual_seed(step_seed(cfg.seed, pos, r["rank"]))
                 if inj is not None:
@@ -162,6 +168,8 @@ def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites) ->
                     inj.disarm(model)  # and the fault's after_backward, as in training
                 losses.append(float(loss.detach()))
             grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+            if not grads:  # none of this rank's rows in the subset
+                continue
             sums = grads if sums is None else [a + b for a, b in zip(sums, grads, strict=True)]
     finally:
         trace.close()
@@ -193,51 +201,6 @@ def fails(out: dict[str, Any]) -> bool:
     return bool(out["overflowed"] or bad)
 
 
-def bisect(bundle: Path) -> dict[str, Any]:
-    """The smallest set of norms whose reduction in fp32 clears the failing step, found by
-    halving (one culprit: ~2 log2(sites) + 2 replays): a set that clears is split, and a
-    half that clears alone is kept; when neither does, each half is minimized with the
-    other held."""
-    first = replay(bundle)
-    sites = sorted(n for n, d in first["dtypes"].items() if d != "fp32")
-    count = 1
-    out = {"sites": sites, "failing": fails(first), "overflowed": first["overflowed"]}
-    if not out["failing"] or not sites:
-        return {**out, "culprits": None, "replays": count}
-    memo: dict[frozenset, bool] = {}
-
-    def clears(switched: frozenset) -> bool:
-        nonlocal count
-        if switched not in memo:
-            count += 1
-            memo[switched] = not fails(replay(bundle, switched))
-        return memo[switched]
-
-    if not clears(frozenset(sites)):
-        return {**out, "culprits": [], "replays": count}  # not a norm-precision failure
-
-    def shrink(cand: list[str], held: frozenset) -> list[str]:
-        if len(cand) <= 1:
-            return cand
-        a, b = cand[: len(cand) // 2], cand[len(cand) // 2 :]
-        if clears(held | frozenset(a)):
-            return shrink(a, held)
-        if clears(held | frozenset(b)):
-            return shrink(b, held)
-        ka = shrink(a, held | frozenset(b))
-        return ka + shrink(b, held | frozenset(ka))
-
-    culprits = sorted(shrink(sites, frozenset()))
-    return {**out, "culprits": culprits, "replays": count}
-
-
-def override(culprits: list[str]) -> str:
-    """The Hydra override that switches exactly those norms' reductions to fp32."""
-    return (
-        "++model.norm_sites={" + ",".join(f"{c}:{{reduction_dtype:fp32}}" for c in culprits) + "}"
-    )
-
-
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.6g}"
 
@@ -265,42 +228,3 @@ def report(bundle: Path, out: dict[str, Any]) -> list[str]:
     ok = out["same_loss"] and out["same_grad_norm"]
     lines.append(f"reproduces: {'yes' if ok else 'no'}")
     return lines
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="stabilize-replay", description=__doc__.split("\n\n")[0])
-    p.add_argument("bundle", type=Path, help="a run's bundles/step-NNNNNN-<monitor> directory")
-    p.add_argument("--bisect", action="store_true", help="find the fewest norms whose fp32 "
-                   "reduction clears the step; print them as a Hydra override")  # fmt: skip
-    args = p.parse_args(argv)
-    from stabilize.trust import UntrustedFile
-
-    try:
-        if args.bisect:
-            return _bisect_main(args.bundle)
-        out = replay(args.bundle)
-    except (BadBundle, UntrustedFile) as e:
-        print(f"stabilize-replay: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    lines = report(args.bundle, out)
-    print("\n".join(lines))
-    return 0 if lines[-1].endswith("yes") else 1
-
-
-def _bisect_main(bundle: Path) -> int:
-    b = bisect(bundle)
-    head = f"bisection over {len(b['sites'])} norms with a 16-bit reduction, {b['replays']} replays"
-    if b["culprits"] is None:
-        print(f"{head}: the step does not fail in the replay (nothing to bisect)")
-        return 1
-    if not b["culprits"]:
-        print(f"{head}: every norm in fp32 does not clear it: not a norm-precision failure")
-        return 1
-    print(f"{head}: fp32 at {', '.join(b['culprits'])} clears the step "
-          f"(overflowed in the replay: {', '.join(b['overflowed']) or 'none'})")  # fmt: skip
-    print(f"run with: {override(b['culprits'])}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The two bisections of ``stabilize-replay`` over a repro bundle (core.py replays).
+
+- ``--bisect`` (``precision``): the fewest norms whose reduction in fp32 clears the step,
+  printed as a ``++model.norm_sites`` override.
+- ``--data`` (``data``): the fewest sequences of the step that still fail it, each named by
+  its training block index and content hash (``stabilize.data.block_hash``), recorded in
+  the run dir's ``skipped_items.json`` (a resume steps over them, in every epoch) and
+  printed as a ``++data.skip_items`` override for other runs on the same corpus.
+
+Both halve (``minimize``) and count replays: one culprit among n costs log2(n) + 3
+(precision: the first replay, every norm in fp32, one per halving, the confirmation) and
+log2(n) + 2 (data: no all-rows replay, the first one is it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from stabilize.replay.core import fails, replay
+
+
+# ---- precision: the fewest norms in fp32 that clear the step --------------------------------
+def precision(bundle: Path) -> dict[str, Any]:
+    """The smallest set of norms whose reduction in fp32 clears the failing step, found by
+    halving (``minimize``; one culprit: log2(sites) + 3 replays, with the first and the
+    all-norms one)."""
+    first = replay(bundle)
+    sites = sorted(n for n, d in first["dtypes"].items() if d != "fp32")
+    count = 1
+    out = {"sites": sites, "failing": fails(first), "overflowed": first["overflowed"]}
+    if not out["failing"] or not sites:
+        return {**out, "culprits": None, "replays": count}
+    memo: dict[frozenset, bool] = {}
+
+    def clears(switched: frozenset) -> bool:
+        nonlocal count
+        if switched not in memo:
+            count += 1
+            memo[switched] = not fails(replay(bundle, switched))
+        return memo[switched]
+
+    if not clears(frozenset(sites)):
+        return {**out, "culprits": [], "replays": count}  # not a norm-precision failure
+    culprits = sorted(minimize(sites, clears))
+    return {**out, "culprits": culprits, "replays": count}
+
+
+bisect = precision  # the name the first bisection had
+
+
+def override(culprits: list[str]) -> str:
+    """The Hydra override that switches exactly those norms' reductions to fp32."""
+    return (
+        "++model.norm_sites={" + ",".join(f"{c}:{{reduction_dtype:fp32}}" for c in culprits) + "}"
+    )
+
+
+def precision_main(bundle: Path) -> int:
+    b = precision(bundle)
+    head = f"bisection over {len(b['sites'])} norms with a 16-bit reduction, {b['replays']} replays"
+    if b["culprits"] is None:
+        print(f"{head}: the step does not fail in the replay (nothing to bisect)")
+        return 1
+    if not b["culprits"]:
+        print(f"{head}: every norm in fp32 does not clear it: not a norm-precision failure")
+        return 1
+    print(f"{head}: fp32 at {', '.join(b['culprits'])} clears the step "
+          f"(overflowed in the replay: {', '.join(b['overflowed']) or 'none'})")  # fmt: skip
+    print(f'run with: "{override(b["culprits"])}"')  # quoted: a shell would expand {a,b}
+    return 0
+
+
+# ---- data: the fewest sequences that still fail the step -------------------------------------
+def minimize(cand: list, holds) -> list:
+    """The fewest of ``cand`` for which ``holds(subset)`` (true of ``cand`` as a whole):
+    the step still fails with only these rows, or clears with only these norms switched.
+    One culprit: only the first half is tried at each level (the other must hold it), and
+    the result is confirmed once: log2(n) + 1 calls. If the confirmation fails (it needs
+    members of both halves), each half is minimized with the other held."""
+
+    def fast(c: list) -> list:
+        while len(c) > 1:
+            a, b = c[: len(c) // 2], c[len(c) // 2 :]
+            c = a if holds(frozenset(a)) else b
+        return c
+
+    one = fast(cand)
+    if len(cand) == 1 or holds(frozenset(one)):
+        return one
+
+    def shrink(c: list, held: frozenset) -> list:
+        if len(c) <= 1:
+            return c
+        a, b = c[: len(c) // 2], c[len(c) // 2 :]
+        if holds(held | frozenset(a)):
+            return shrink(a, held)
+        if holds(held | frozenset(b)):
+            return shrink(b, held)
+        ka = shrink(a, held | frozenset(b))
+        return ka + shrink(b, held | frozenset(ka))
+
+    return shrink(cand, frozenset())
+
+
+def data(bundle: Path) -> dict[str, Any]:
+    """The step's sequences that alone still fail it, by rank, micro-batch, row, data
+    position, training block index and content hash."""
+    from stabilize.data import block_hash
+    from stabilize.trust import torch_load
+
+    first = replay(bundle)
+    ranks = torch_load(bundle / "batch.pt", trusted=False, map_location="cpu")["ranks"]
+    rows = [(r["rank"], m, j) for r in ranks for m, x in enumerate(r["x"]) for j in range(len(x))]
+    out: dict[str, Any] = {"rows": len(rows), "failing": fails(first), "replays": 1}
+    if not out["failing"]:
+        return {**out, "culprits": None}
+    memo: dict[frozenset, bool] = {}
+
+    def fails_with(subset: frozenset) -> bool:
+        if subset not in memo:
+            out["replays"] += 1
+            memo[subset] = fails(replay(bundle, rows=subset))
+        return memo[subset]
+
+    found = minimize(rows, fails_with)
+    by_rank = {r["rank"]: r for r in ranks}
+    culprits = []
+    for rank, m, j in sorted(found):
+        r = by_rank[rank]
+        culprits.append({
+            "rank": rank, "micro": m, "row": j, "data_step": r["positions"][m],
+            "index": r["items"][m][j], "hash": block_hash(r["x"][m][j], r["y"][m][j]),
+        })  # fmt: skip
+    return {**out, "culprits": culprits}
+
+
+def skip_override(culprits: list[dict]) -> str:
+    """The Hydra override that skips exactly those sequences in another run."""
+    return "++data.skip_items=[" + ",".join(f"'{c['index']}:{c['hash']}'" for c in culprits) + "]"
+
+
+def record(bundle: Path, culprits: list[dict]) -> Path | None:
+    """Add the culprits to the bundle's run dir's ``skipped_items.json`` (atomically; the
+    entries already there stay). None when the bundle is not inside a run dir."""
+    from stabilize.lit.stability.controller import SKIPPED_ITEMS
+
+    run_dir = bundle.resolve().parent.parent
+    if bundle.resolve().parent.name != "bundles" or not (run_dir / "config.json").is_file():
+        return None
+    path = run_dir / SKIPPED_ITEMS
+    have = json.loads(path.read_text())["items"] if path.exists() else []
+    known = {(e["index"], e["hash"]) for e in have}
+    new = [{**c, "bundle": bundle.name} for c in culprits if (c["index"], c["hash"]) not in known]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"items": have + new}, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def data_main(bundle: Path) -> int:
+    b = data(bundle)
+    head = f"data bisection over {b['rows']} sequences, {b['replays']} replays"
+    if b["culprits"] is None:
+        print(f"{head}: the step does not fail in the replay (nothing to bisect)")
+        return 1
+    names = "; ".join(
+        f"block {c['index']} (hash {c['hash']}; rank {c['rank']}, data position "
+        f"{c['data_step']}, row {c['row']})"
+        for c in b["culprits"]
+    )
+    print(f"{head}: the step fails with {len(b['culprits'])} of them: {names}")
+    path = record(bundle, b["culprits"])
+    if path is not None:
+        print(f"recorded in {path}: the run's resume steps over them, in every epoch")
+    print(f'other runs on this corpus: "{skip_override(b["culprits"])}"')
+    return 0
