@@ -13,10 +13,11 @@ import torch
 
 from stabilize.lit.module import param_groups
 from stabilize.model import GPT
+from stabilize.replay.core import sharded_state
 from stabilize.rollback.dcp import load_sharded
 from stabilize.train import run
 
-from conftest import FAST, compose_run, launch_sh, read_csv_metrics
+from conftest import FAST, compose_run, launch_sh, read_csv_metrics, run_cli
 
 BASE = [
     *[a for a in FAST if not a.startswith("trainer.progress")],
@@ -60,7 +61,7 @@ def test_fsdp_on_two_cpu_ranks_rolls_back_a_nan_on_rank_1_and_trains_like_one_pr
     args = [*BASE, "trainer.max_steps=8", "trainer.strategy=fsdp", "rollback.ladder=[retry]"]
     args += ["fault=nan_loss", "fault.step=5", "fault.rank=1"]
     args += ["rollback.keep_durable=2", "trainer.keep_checkpoints=1"]  # retention, sharded
-    launch(run_dir, 2, args, tmp_path)
+    out = launch(run_dir, 2, args, tmp_path).stdout
     evs = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     rb = [e for e in evs if e["kind"] == "rollback" and e["monitor"] == "rollback"]
     assert [e["extra"]["restored_step"] for e in rb] == [4]  # every rank: one decision
@@ -97,6 +98,17 @@ def test_fsdp_on_two_cpu_ranks_rolls_back_a_nan_on_rank_1_and_trains_like_one_pr
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, want["state_dict"][f"model.{k}"], rtol=0, atol=1e-5)
     assert all(len(s) == 3 for s in opt.state.values())  # step, exp_avg, exp_avg_sq
+    # the fault's repro bundle: each rank's shard, replayed unsharded in another process
+    (bundle,) = (run_dir / "bundles").iterdir()
+    shards = sorted(p.name for p in (bundle / "state").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"] and not (bundle / "state.pt").exists()
+    assert f"(FSDP: model and optimizer as 2 shards, state/{shards[0]}, state/{shards[1]})" in out
+    at4 = torch.load(tmp_path / "ref" / "checkpoints" / "step-000004.ckpt", weights_only=False)
+    for k, v in sharded_state(bundle / "state", cfg)["model"].items():  # the step-5 start
+        torch.testing.assert_close(v, at4["state_dict"][f"model.{k}"], rtol=0, atol=1e-5)
+    r = run_cli(["stabilize-replay", str(bundle)], cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip().endswith("reproduces: yes"), r.stdout
+    assert "2 rank(s)" in r.stdout and "loss nan (recorded nan)" in r.stdout
 
 
 @pytest.mark.slow  # two torchrun launches of 20 steps

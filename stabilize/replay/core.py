@@ -79,7 +79,10 @@ def replay(
 
     meta = check(bundle)
     cfg = RunConfig.from_dict(meta["config"])
-    state = torch_load(bundle / "state.pt", trusted=False, map_location="cpu")  # any machine
+    if meta.get("state_sharded"):  # FSDP: the ranks' shards, into one unsharded model
+        state = sharded_state(bundle / "state", cfg)
+    else:
+        state = torch_load(bundle / "state.pt", trusted=False, map_location="cpu")  # any machine
     ranks = torch_load(bundle / "batch.pt", trusted=False, map_location="cpu")["ranks"]
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -87,6 +90,28 @@ def replay(
         return _run(bundle, meta, cfg, state, ranks, fp32_sites, rows)
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+def sharded_state(path: Path, cfg) -> dict[str, Any]:
+    """An FSDP bundle's ``state/`` (a torch.distributed.checkpoint directory, one shard per
+    rank), read into an unsharded model's state dict: DCP reassembles each tensor from its
+    shards by its global shape. Only the model is read (the replay steps no optimizer)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from stabilize.io import verified_load
+    from stabilize.model import GPT
+    from stabilize.rollback.dcp import REST
+    from stabilize.trust import check_dcp_index
+
+    check_dcp_index(path)  # before DCP unpickles its index with no allow-list
+    model = GPT(cfg.model)
+    want = {"model": get_model_state_dict(model)}  # the keys DCP saved them under
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(want, checkpoint_id=str(path), no_dist=True)
+    set_model_state_dict(model, want["model"])
+    return {"model": model.state_dict(), **verified_load(path / REST)["state"]}
 
 
 class _Overflows:

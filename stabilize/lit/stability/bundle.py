@@ -16,8 +16,11 @@ back or would; ``always``, on warnings and scaler skips too; ``off``) under
 - ``manifest.json`` last: each file's size and SHA-256. The directory is written as
   ``.tmp`` and renamed when whole.
 
-``stabilize-replay BUNDLE`` (stabilize/replay/) rebuilds the step from it. FSDP (sharded
-parameters) is not bundled: each rank holds only its shard (one console line says so).
+Under FSDP (each rank holds a shard) the model and optimizer go into ``state/`` instead of
+``state.pt``: a torch.distributed.checkpoint directory, one shard file per rank
+(``__R_0.distcp``, written by rank R: a collective) and the small parts in ``rest.pt``
+(rollback/dcp.py); the console line names the shards. ``stabilize-replay BUNDLE``
+(stabilize/replay/) rebuilds the step from either, unsharded.
 """
 
 from __future__ import annotations
@@ -74,9 +77,11 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-def write_bundle(trainer, pl_module, stats, events, batches, positions, rcfg) -> Path | None:
-    """Every rank calls this at a faulty step (a collective under DDP); rank 0 writes.
-    Returns the bundle's directory on rank 0."""
+def write_bundle(
+    trainer, pl_module, stats, events, batches, positions, rcfg, sharded: bool = False
+) -> Path | None:
+    """Every rank calls this at a faulty step (a collective under DDP and FSDP); rank 0
+    writes all but the FSDP shards. Returns the bundle's directory on rank 0."""
     rank, world = trainer.global_rank, trainer.world_size
     sampler = pl_module.train_sampler()
     mine = {
@@ -90,31 +95,38 @@ def write_bundle(trainer, pl_module, stats, events, batches, positions, rcfg) ->
     if world > 1:
         ranks = [None] * world
         torch.distributed.all_gather_object(ranks, mine)
-    if rank != 0:
-        return None
     t0 = time.perf_counter()
     run_dir = Path(pl_module.cfg.run_dir)
     first = events[0] if events else None
     name = f"step-{stats.step:06d}-{first.monitor if first else 'on-demand'}"
     final = run_dir / "bundles" / name
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
     opt = trainer.optimizers[0]
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     injector = pl_module.injector
     state = {
-        "model": pl_module.model.state_dict(),
-        "optimizer": opt.state_dict(),
         "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "train_state": pl_module.train_state.state_dict(),
         "fault": injector.snapshot_state() if injector is not None else None,
     }
-    size_mb = _nbytes(state) / 2**20
-    omitted = rcfg.bundle_max_mb >= 0 and size_mb > rcfg.bundle_max_mb
-    if not omitted:
-        torch.save(state, tmp / "state.pt")
+    big = [pl_module.model.state_dict(), opt.state_dict()]  # under FSDP: this rank's shards
+    size_mb = _nbytes([state, big]) / 2**20 * (world if sharded else 1)
+    omitted = rcfg.bundle_max_mb >= 0 and size_mb > rcfg.bundle_max_mb  # the same on every rank
+    if sharded and not omitted:  # every rank writes its shard (DCP's save: a collective)
+        from stabilize.rollback.dcp import save_sharded
+        from stabilize.rollback.snapshots import Snapshot
+
+        save_sharded(Snapshot(stats.step, state, 0.0), pl_module.model, opt, tmp)
+        if rank == 0:
+            (tmp / f"snapshot-{stats.step:06d}").rename(tmp / "state")
+    if rank != 0:
+        return None
+    if not sharded and not omitted:
+        torch.save({"model": big[0], "optimizer": big[1], **state}, tmp / "state.pt")
     torch.save({"ranks": ranks}, tmp / "batch.pt")
     meta = {
         "format": FORMAT,
@@ -128,19 +140,25 @@ def write_bundle(trainer, pl_module, stats, events, batches, positions, rcfg) ->
             "loss_scale": stats.loss_scale,
         },  # fmt: skip
         "state_omitted": f"{size_mb:.0f} MB > rollback.bundle_max_mb" if omitted else None,
+        "state_sharded": sharded and not omitted,
         "events": [e.to_dict() for e in events],
         "versions": versions(),
         "config": pl_module.cfg.to_dict(),
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    names = [f for f in FILES if (tmp / f).exists()]
+    shards = sorted(str(p.relative_to(tmp)) for p in (tmp / "state").glob("*")) if sharded else []
     files = {f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256(tmp / f)}
-             for f in FILES if (tmp / f).exists()}  # fmt: skip
+             for f in names + shards}  # fmt: skip
     (tmp / "manifest.json").write_text(json.dumps({"format": FORMAT, "files": files}, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _prune(final.parent, rcfg.bundle_keep)
     total = sum(v["bytes"] for v in files.values()) / 2**20
     note = " (state left out: over rollback.bundle_max_mb)" if omitted else ""
+    parts = [f for f in shards if f.endswith(".distcp")]
+    if parts:
+        note = f" (FSDP: model and optimizer as {len(parts)} shards, {', '.join(parts)})"
     print(f"[bundle] repro bundle: {final} ({total:.1f} MB, {time.perf_counter() - t0:.2f} s)"
           f"{note}; replay it with: stabilize-replay {final}", flush=True)  # fmt: skip
     return final

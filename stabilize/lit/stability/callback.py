@@ -223,12 +223,14 @@ class StabilityCallback(L.Callback):
             self._bundled |= {e.monitor for e in worth}
         if mode == "off" or not worth:
             return
-        if _sharded(trainer):  # each rank holds a shard: no one consistent copy to bundle
+        fsdp = is_fsdp(trainer.strategy)
+        if _sharded(trainer) and not fsdp:  # a module that shards itself: no one copy
             if not self._bundled_note and trainer.is_global_zero:
-                print("[bundle] no repro bundle: FSDP parameters are sharded", flush=True)
+                print("[bundle] no repro bundle: the parameters are sharded", flush=True)
             self._bundled_note = True
             return
-        write_bundle(trainer, pl_module, stats, worth, self._batches, self._positions, self.rcfg)
+        write_bundle(trainer, pl_module, stats, worth, self._batches, self._positions, self.rcfg,
+                     sharded=fsdp)  # fmt: skip
 
     def _scan_grads(self, pl_module, stats: StepStats, events: list[Event]) -> None:
         """A non-finite gradient norm (a NaN or inf, an fp16 scaler skip): the step's own
