@@ -70,8 +70,11 @@ EXPECTED = {
 # Not one dataclass's options: variants of the whole run (``_global_``), each composed and
 # run for a few steps elsewhere (tests/test_recipe.py, tests/test_scenario.py).
 WHOLE_RUN = {"experiment", "arm"}
+NOT_A_RUN = {"map"}  # stabilize-map's specs (tests/test_map.py), not a group of a run
 OPTIONS = sorted(
-    (p.parent.name, p.stem) for p in CONFIGS.glob("*/*.yaml") if p.parent.name not in WHOLE_RUN
+    (p.parent.name, p.stem)
+    for p in CONFIGS.glob("*/*.yaml")
+    if p.parent.name not in WHOLE_RUN | NOT_A_RUN
 )
 
 
