@@ -68,8 +68,36 @@ def estimate(spec: MapSpec, extra: list[str], todo: int, jobs: int) -> str:
     return f"{took} (the tiny model on a 2-core CPU; refined as cells finish)"
 
 
+def check_recipes(spec: MapSpec, extra: list[str]) -> None:
+    """Compose every recipe's first cell as stabilize-train would and build its RunConfig:
+    a bad key or value is one line (naming the recipe) before anything is written or
+    launched. The launcher's own settings (``hydra.*``) are Hydra's to check at launch."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from stabilize.lit.preflight import build_config
+    from stabilize.paths import config_dir
+
+    mine = [o for o in extra if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        for recipe in spec.recipes:
+            ovr = [*spec.cell_overrides(recipe), *mine, f"optim.lr={spec.lrs[0]}",
+                   f"seed={spec.seeds[0]}", "run_dir=unused"]  # fmt: skip
+            try:
+                values = OmegaConf.to_container(compose("train", overrides=ovr), resolve=True)
+                values.pop("hydra", None)
+                build_config(values)
+            except (ConfigError, HydraException, OmegaConfBaseException) as e:
+                why = str(e).split("\n")[0]
+                where = f"map.recipes.{recipe} (with the map's overrides)"
+                raise ConfigError(f"{where}: {why}") from None
+
+
 def run_map(spec: MapSpec, root: Path, launcher: str, jobs: int, extra: list[str],
             wandb: bool = False, dry: bool = False) -> int:  # fmt: skip
+    check_recipes(spec, extra)
     cells = spec.cells()
     done = [c for c in cells if finished(cell_dir(root, c))]
     todo = [c for c in cells if c not in done]
@@ -118,10 +146,20 @@ def run_map(spec: MapSpec, root: Path, launcher: str, jobs: int, extra: list[str
             worst = max(worst, code)
             if code == EXIT_CONFIG and len(seen) == 0:
                 return EXIT_CONFIG
+    from stabilize.lit.stability.bundle import versions
     from stabilize.map.report import write_report
 
+    meta = {"commit": versions()["git_commit"], "launcher": launcher, "jobs": jobs,
+            "cells_run": len(todo), "seconds": round(time.monotonic() - t0, 1),
+            "threads": env["OMP_NUM_THREADS"], "cpus": os.cpu_count()}  # fmt: skip
+    (root / "map_meta.json").write_text(json.dumps(meta, indent=1))
     out = write_report(spec, root)
-    print(f"[map] report: {out}", flush=True)
+    print(f"[map] report: {out} ({len(todo)} cells run in {meta['seconds'] / 60:.1f} min)",
+          flush=True)  # fmt: skip
+    if wandb:
+        from stabilize.map.report import to_wandb
+
+        print(f"[map] W&B: {to_wandb(spec, root)}", flush=True)
     missing = [c for c in cells if not finished(cell_dir(root, c))]
     if missing:
         print(f"[map] {len(missing)} cells did not finish; relaunch to run them", flush=True)

@@ -98,9 +98,9 @@ def _figures(recipes: list[RecipeSummary], cells: list[CellResult], root: Path) 
     from stabilize.report.plots import plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in recipes:
+    for k, r in enumerate(recipes):  # markers apart: curves that coincide stay visible
         (line,) = ax.plot(r.lrs, [min(v, r.l0) if math.isfinite(v) else r.l0 for v in r.mean],
-                          marker="o", label=r.recipe)  # fmt: skip
+                          marker="osD^vP*X"[k % 8], label=r.recipe, alpha=0.85)  # fmt: skip
         ax.fill_between(r.lrs, r.lo, r.hi, alpha=0.2, color=line.get_color())
     if recipes:
         ax.axhline(recipes[0].l0, color="grey", ls=":", lw=1, label="L0 (init)")
@@ -114,6 +114,7 @@ def _figures(recipes: list[RecipeSummary], cells: list[CellResult], root: Path) 
     lrs = sorted({c.lr for c in cells})
     fig, ax = plt.subplots(figsize=(1.4 * len(lrs) + 2.5, 0.8 * len(recipes) + 1.6))
     grid = [[math.nan] * len(lrs) for _ in recipes]
+    texts = []
     for i, r in enumerate(recipes):
         for j, lr in enumerate(lrs):
             mine = [c for c in cells if c.recipe == r.recipe and c.lr == lr]
@@ -122,17 +123,21 @@ def _figures(recipes: list[RecipeSummary], cells: list[CellResult], root: Path) 
             div = [c for c in mine if c.diverged]
             ok = [c.final_loss for c in mine if not c.diverged]
             grid[i][j] = -1.0 if div else statistics.fmean(ok)
-            text = (
-                f"{len(div)}/{len(mine)} diverged\n{_short(div[0])}" if div else f"{grid[i][j]:.2f}"
-            )
-            ax.text(j, i, text, ha="center", va="center", fontsize=7,
-                    color="white" if div else "black")  # fmt: skip
+            text = f"{grid[i][j]:.2f}"
+            if div:
+                text = f"{len(div)}/{len(mine)} diverged\n{_short(div[0])}"
+            texts.append((j, i, text, bool(div)))
     import numpy as np
 
     arr = np.ma.masked_invalid(np.array(grid, dtype=float))
     ok = np.ma.masked_where(arr < 0, arr)
     ax.imshow(np.ma.masked_where(arr >= 0, arr), cmap="Reds_r", vmin=-1.5, vmax=0, aspect="auto")
     ax.imshow(ok, cmap="YlGn_r", aspect="auto")
+    lo, hi = (float(ok.min()), float(ok.max())) if ok.count() else (0.0, 1.0)
+    for j, i, text, div in texts:  # white on the dark squares (the low losses, the red)
+        dark = div or (hi > lo and (grid[i][j] - lo) / (hi - lo) < 0.4)
+        ax.text(j, i, text, ha="center", va="center", fontsize=7,
+                color="white" if dark else "black")  # fmt: skip
     ax.set_xticks(range(len(lrs)), [f"{x:g}" for x in lrs])
     ax.set_yticks(range(len(recipes)), [r.recipe for r in recipes])
     ax.set(xlabel="learning rate", title="final loss (green) or diverged (red, mechanism)")
@@ -143,3 +148,33 @@ def _figures(recipes: list[RecipeSummary], cells: list[CellResult], root: Path) 
 
 def _short(c: CellResult) -> str:
     return (c.mechanism or "no monitor fired").split(" at ")[0]
+
+
+COLUMNS = ["recipe", "lr", "seed", "final_loss", "bpb", "diverged", "diverged_step",
+           "first_monitor", "mechanism", "attn_logit_max", "log_z_final"]  # fmt: skip
+
+
+def to_wandb(spec: MapSpec, root: Path) -> str:
+    """One W&B run in the cells' group (``map-NAME``, job type ``map``): the cells as a
+    table, the two figures, each recipe's sensitivity and best LR in the summary. Offline
+    unless ``WANDB_MODE`` says otherwise, as the cells. Returns the run's directory."""
+    import os
+
+    import wandb
+
+    cells = collect(spec, root)
+    run = wandb.init(project="stabilize", group=f"map-{spec.name}", job_type="map",
+                     name=f"map-{spec.name}", dir=str(root), config=spec.__dict__,
+                     mode=os.environ.get("WANDB_MODE", "offline"))  # fmt: skip
+    rows = [[getattr(c, k) for k in COLUMNS] for c in cells]
+    run.log({
+        "map/cells": wandb.Table(columns=COLUMNS, data=rows),
+        "map/loss_vs_lr": wandb.Image(str(root / "loss_vs_lr.png")),
+        "map/outcomes": wandb.Image(str(root / "outcomes.png")),
+    })  # fmt: skip
+    for r in (summarize(x, cells) for x in spec.recipes if any(c.recipe == x for c in cells)):
+        run.summary[f"{r.recipe}/lr_sensitivity"] = r.sensitivity
+        run.summary[f"{r.recipe}/best_lr"] = r.best_lr
+    where = run.dir
+    run.finish()
+    return str(Path(where).parent)
