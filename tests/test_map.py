@@ -208,3 +208,41 @@ def test_the_claims_verdicts_follow_the_numbers_beside_them():
     assert recipes[0].sensitivity == pytest.approx((1.0 + 0 + (5.5 - 2.015)) / 3, abs=1e-9)
     z = got["z-loss lowers log Z:"]
     assert z["verdict"] == "not resolved" and "lower at 2 of 3 LRs" in z["evidence"]
+
+
+@pytest.mark.slow  # ~40 s: a map interrupted mid-cell, then relaunched
+def test_ctrl_c_stops_the_cells_in_flight_and_the_same_command_goes_on(tmp_path):
+    """SIGINT to stabilize-map mid-cell: exit 130, one line, no cell process left; the
+    relaunch runs every cell (the interrupted ones again, with resume=restart)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    spec = SPEC.replace("  layernorm-qknorm: [norm=layernorm, norm.qk_norm=true]\n", "")
+    (tmp_path / "t.yaml").write_text(spec.replace("steps: 24", "steps: 150"))
+    exe = str(Path(sys.executable).parent / "stabilize-map")
+    args = [exe, "--spec", "t.yaml", "--dir", "m", "--jobs", "2"]
+    p = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    cell = tmp_path / "m" / "cells" / "layernorm" / "lr0.001-seed1"
+    t0 = time.monotonic()
+    while not (cell / "config.json").exists() and time.monotonic() - t0 < 120:
+        time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 130, out
+    assert out.splitlines()[-1] == (
+        "[map] interrupted: 0 of 2 cells finished; the same command goes on with the rest"
+    )
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path / "m" / "cells") not in ps  # no cell left running
+    # another step count into the same dir is refused: its cells ran with 150
+    (tmp_path / "t.yaml").write_text(spec)
+    r = run_cli(args, cwd=tmp_path)
+    assert (
+        r.returncode == 2 and "map.steps=24 is not allowed in m: its cells ran with 150" in r.stderr
+    )
+    (tmp_path / "t.yaml").write_text(spec.replace("steps: 24", "steps: 150"))
+    r = run_cli(args, cwd=tmp_path)
+    assert r.returncode == 0 and "[map] 0 finished (skipped), 2 to run" in r.stdout, r.stdout

@@ -95,9 +95,34 @@ def check_recipes(spec: MapSpec, extra: list[str]) -> None:
                 raise ConfigError(f"{where}: {why}") from None
 
 
+# what a finished cell was run with: a relaunch may add LRs, seeds or recipes, not change these
+CELL_KEYS = ("steps", "warmup", "overrides")
+
+
+def check_same_cells(spec: MapSpec, root: Path) -> None:
+    """A relaunch into a map's dir runs its cells as they were run: a changed step count,
+    warm-up, common override or recipe is refused (the finished cells would not match)."""
+    path = root / "map_spec.json"
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    diff = [k for k in CELL_KEYS if old.get(k) != getattr(spec, k)]
+    diff += [f"recipes.{r}" for r, o in spec.recipes.items()
+             if r in old.get("recipes", {}) and old["recipes"][r] != o]  # fmt: skip
+    if diff:
+        k = diff[0]
+        was = old.get(k) if "." not in k else old["recipes"][k.split(".", 1)[1]]
+        now = getattr(spec, k) if "." not in k else spec.recipes[k.split(".", 1)[1]]
+        raise ConfigError(
+            f"map.{k}={now!r} is not allowed in {root}: its cells ran with {was!r} "
+            f"(changed: {', '.join(diff)}); use another --dir, or the same settings"
+        )
+
+
 def run_map(spec: MapSpec, root: Path, launcher: str, jobs: int, extra: list[str],
             wandb: bool = False, dry: bool = False) -> int:  # fmt: skip
     check_recipes(spec, extra)
+    check_same_cells(spec, root)
     cells = spec.cells()
     done = [c for c in cells if finished(cell_dir(root, c))]
     todo = [c for c in cells if c not in done]
@@ -128,16 +153,23 @@ def run_map(spec: MapSpec, root: Path, launcher: str, jobs: int, extra: list[str
         with log.open("a") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
             seen: set[Cell] = set()
-            while True:
-                code = proc.poll()
-                for c in group:
-                    if c not in seen and finished(cell_dir(root, c)):
-                        seen.add(c)
-                        n += 1
-                        _progress(root, c, n, len(cells), len(done), t0, jobs)
-                if code is not None:
-                    break
-                time.sleep(1.0)
+            try:
+                while True:
+                    code = proc.poll()
+                    for c in group:
+                        if c not in seen and finished(cell_dir(root, c)):
+                            seen.add(c)
+                            n += 1
+                            _progress(root, c, n, len(cells), len(done), t0, jobs)
+                    if code is not None:
+                        break
+                    time.sleep(1.0)
+            except KeyboardInterrupt:  # Ctrl-C: the cells in flight are stopped, none lost
+                _stop(proc)
+                left = len([c for c in cells if not finished(cell_dir(root, c))])
+                print(f"[map] interrupted: {len(cells) - left} of {len(cells)} cells finished; "
+                      "the same command goes on with the rest", flush=True)  # fmt: skip
+                return 130
         if code != 0:
             said = [x for x in log.read_text().splitlines() if x.startswith("stabilize-train:")]
             last = f": {said[-1]}" if said else ""
@@ -165,6 +197,20 @@ def run_map(spec: MapSpec, root: Path, launcher: str, jobs: int, extra: list[str
         print(f"[map] {len(missing)} cells did not finish; relaunch to run them", flush=True)
         return 1
     return 0
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """The multirun and its workers: SIGINT first (Hydra and the cells end as on Ctrl-C),
+    then SIGKILL after 30 s."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _progress(root: Path, c: Cell, n: int, total: int, skipped: int, t0: float, jobs: int):
