@@ -14,8 +14,6 @@ log2(n) + 2 (data: no all-rows replay, the first one is it).
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -143,21 +141,14 @@ def skip_override(culprits: list[dict]) -> str:
 
 
 def record(bundle: Path, culprits: list[dict]) -> Path | None:
-    """Add the culprits to the bundle's run dir's ``skipped_items.json`` (atomically; the
-    entries already there stay). None when the bundle is not inside a run dir."""
-    from stabilize.lit.stability.controller import SKIPPED_ITEMS
+    """Add the culprits to the bundle's run dir's ``skipped_items.json`` (the entries
+    already there stay). None when the bundle is not inside a run dir."""
+    from stabilize.lit.stability.controller import add_skipped_items
 
     run_dir = bundle.resolve().parent.parent
     if bundle.resolve().parent.name != "bundles" or not (run_dir / "config.json").is_file():
         return None
-    path = run_dir / SKIPPED_ITEMS
-    have = json.loads(path.read_text())["items"] if path.exists() else []
-    known = {(e["index"], e["hash"]) for e in have}
-    new = [{**c, "bundle": bundle.name} for c in culprits if (c["index"], c["hash"]) not in known]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"items": have + new}, indent=1))
-    os.replace(tmp, path)
-    return path
+    return add_skipped_items(run_dir, [{**c, "bundle": bundle.name} for c in culprits])
 
 
 def data_main(bundle: Path) -> int:

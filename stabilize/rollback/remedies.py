@@ -20,6 +20,9 @@ the fp32 reduction is this project's own, docs/rollback.md):
 - ``skip_batch``: never train on the batches a data-linked fault was found in (their data
   positions join ``state.skipped``, kept in checkpoints and in the run dir's
   ``skipped_batches.json``, so a resume skips them too).
+- ``skip_rows``: never train on the sequences of those batches whose own loss was
+  non-finite (``state.skipped_items``, ``skipped_items.json``); the rest of each batch
+  trains. Not in the default ladder (``rollback.ladder=[retry, skip_rows, ...]``).
 
 Each remedy says which fault classes it fits (``classes``; docs/rollback.md): ``retry``
 a transient fault, ``skip_data`` and ``skip_batch`` a data-linked one, the rest (the
@@ -223,6 +226,26 @@ class SkipBatch(Remedy):
         return {"skipped_batches": sorted(state.fault_batches)}
 
 
+class SkipRows(Remedy):
+    """Never train on the sequences of a data-linked fault whose own loss was non-finite
+    (``state.fault_items``, found by one forward per bad micro-batch): they join
+    ``state.skipped_items`` (the sampler replaces each by the next block, so the rest of
+    the batch still trains; kept in checkpoints and ``skipped_items.json``). Where no row
+    is non-finite alone (a fault in the backward, or in the loss as a whole), the batches
+    are skipped as ``skip_batch`` does."""
+
+    name = "skip_rows"
+    classes = ("data",)
+
+    def apply(self, state: TrainState, cfg: None) -> dict[str, Any]:
+        if not state.fault_items:
+            state.skipped |= set(state.fault_batches)
+            return {"skipped_batches": sorted(state.fault_batches), "rows": "none alone"}
+        new = {int(it["index"]): it["hash"] for it in state.fault_items}
+        state.skipped_items.update(new)  # in place: the sampler holds this dict
+        return {"skipped_items": [f"{i}:{h}" for i, h in sorted(new.items())]}
+
+
 REMEDIES: Registry[Remedy] = Registry("remedy")
 """name -> the registered ``Remedy`` (its config: ``REMEDIES.config(name)``)."""
 
@@ -253,4 +276,5 @@ def reapply_remedies(state: TrainState, names: list[str], cfgs: dict[str, Any]) 
 for _remedy in (Retry(), SkipData(), LowerLR(), FP32Reduction(), ZLoss()):
     register_remedy(_remedy)
 register_remedy(SkipBatch())
+register_remedy(SkipRows())
 register_remedy(FP32Sites())

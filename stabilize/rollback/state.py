@@ -37,6 +37,9 @@ class TrainState:
     ``skipped_items.json``, checkpoints). The train sampler holds this very dict."""
     fault_batches: list[int] = field(default_factory=list)
     """The data positions the fault being answered was found in (set before a remedy)."""
+    fault_items: list[dict[str, Any]] = field(default_factory=list)
+    """The sequences whose own loss was non-finite in the fault being answered (index,
+    hash, rank, data position, row; set before a remedy; ``skip_rows`` skips them)."""
     fault_sites: list[str] = field(default_factory=list)
     """The norms whose reduction overflowed in the fault being answered (set before a
     remedy; ``fp32_sites`` switches them)."""

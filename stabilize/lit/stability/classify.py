@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from stabilize.lit.stability.gather import CHUNKS, StepGather
 from stabilize.lit.stability.localize import gather_reports, replay
@@ -111,4 +112,35 @@ class Classifier:
             for i, q in enumerate(positions)
             if any(not math.isfinite(x["losses"][i]) for x in reports)
         ]
-        return {**info, "class": "data", "batches": bad or list(positions)}
+        bad = bad or list(positions)
+        rows = bad_rows(pl_module, [batches[positions.index(q)] for q in bad], bad)
+        if probe is not None:  # the per-row forward went through the probe's hooks
+            probe.reset(detailed=detailed, device=pl_module.device)
+        items = [it for x in gather_reports(trainer, {"rows": rows}) for it in x["rows"]]
+        return {**info, "class": "data", "batches": bad, "items": items}
+
+
+def bad_rows(pl_module, batches: list, positions: list[int]) -> list[dict[str, Any]]:
+    """This rank's sequences whose own loss is non-finite, one forward per micro-batch
+    (no gradient): the rows of a causal LM do not mix, so a row's loss is its own. Each
+    by training block index and content hash (``skip_rows`` steps over them)."""
+    from stabilize.data import block_hash
+
+    model, inj, rank = pl_module.model, pl_module.injector, pl_module.global_rank
+    sampler, step = pl_module.train_sampler(), pl_module.train_state.model_step + 1
+    out = []
+    with torch.no_grad():
+        for (x, y), pos in zip(batches, positions, strict=True):
+            pl_module.seed_dropout(pos)
+            if inj is not None:
+                inj.begin(step, pos)
+            with pl_module.trainer.precision_plugin.forward_context():
+                logits = model(x)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+            row_ok = torch.isfinite(ce.view(y.shape)).all(dim=1).tolist()
+            items = sampler.batch_for_step(pos, rank)
+            for j in (j for j, ok in enumerate(row_ok) if not ok):
+                digest = block_hash(x[j].cpu(), y[j].cpu())
+                out.append({"index": items[j], "hash": digest, "rank": rank,
+                            "data_step": pos, "row": j})  # fmt: skip
+    return out

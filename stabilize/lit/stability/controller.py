@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,19 @@ def load_skipped_items(run_dir: str | Path) -> dict[int, str]:
     if not path.exists():
         return {}
     return {int(e["index"]): e["hash"] for e in json.loads(path.read_text())["items"]}
+
+
+def add_skipped_items(run_dir: str | Path, entries: list[dict[str, Any]]) -> Path:
+    """Add sequences (each with ``index`` and ``hash``) to the run dir's
+    ``skipped_items.json``, atomically; the entries already there stay."""
+    path = Path(run_dir) / SKIPPED_ITEMS
+    have = json.loads(path.read_text())["items"] if path.exists() else []
+    known = {(e["index"], e["hash"]) for e in have}
+    new = [e for e in entries if (e["index"], e["hash"]) not in known]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"items": have + new}, indent=1))
+    os.replace(tmp, path)
+    return path
 
 
 class StabilityAbort(RuntimeError):
@@ -152,6 +166,7 @@ class RollbackController:
         )
         cls = event.extra.get("class")
         pl_module.train_state.fault_batches = list(event.extra.get("batches", []))
+        pl_module.train_state.fault_items = list(event.extra.get("items", []))
         did = get_remedy(remedy).apply(pl_module.train_state, self.cfg.remedy.get(remedy))
         if decision.skipped:  # rungs that would have changed nothing: said, not applied
             did = {**did, "skipped": {r: why for r, why in decision.skipped}}
@@ -162,6 +177,9 @@ class RollbackController:
             did = {**did, "transients_per_rank": dict(self.transients)}
         if "skipped_batches" in did:
             self._record_skipped(trainer, pl_module)
+        if "skipped_items" in did and trainer.is_global_zero:
+            found = [{**it, "step": event.step} for it in pl_module.train_state.fault_items]
+            add_skipped_items(self.run_dir, found)
         pl_module.apply_lr()  # remedies so far stay applied, on the restored step
         pl_module.train_state.remedies.append(remedy)
         pl_module.seek_data(pl_module.train_state.data_step)
