@@ -20,7 +20,7 @@ import torch
 from test_stability import BASE, events, kinds
 
 from stabilize.data import StepSampler, block_hash, build_dataloaders, parse_skip_items
-from stabilize.replay.bisect import minimize
+from stabilize.replay.bisect import data, minimize
 from stabilize.train import run
 from stabilize.validate import ConfigError
 
@@ -163,3 +163,36 @@ def test_the_skip_rows_rung_drops_only_the_poisoned_sequence_and_ends_like_a_run
     got, want = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=False) for d in (a, ref))
     for k, t in want["state_dict"].items():
         assert torch.equal(t, got["state_dict"][k]), k
+
+
+def test_on_two_ranks_the_sequence_is_found_on_its_rank_in_the_run_and_in_the_bundle(tmp_path):
+    """torchrun, 2 ranks x 4 rows: the poisoned block drawn by rank 1 (row 2, position 5).
+    In the run, skip_rows names it from rank 1's per-row forward and both ranks skip it
+    (their replicas stay identical); the bundle's data bisection over all 8 rows finds the
+    same sequence in at most log2(8) + 2 replays."""
+    from conftest import launch_sh
+
+    cfg = compose_run(tmp_path / "probe", [*COMMON, "data.batch_size=4"])
+    train, _ = build_dataloaders(cfg.data, cfg.model.block_size, rank=1, world_size=2,
+                                 num_steps=None)  # fmt: skip
+    item = train.batch_sampler.batch_for_step(POSITION)[2]
+    digest = block_hash(*train.dataset[item])
+    run_dir = tmp_path / "run"
+    args = [a for a in COMMON if not a.startswith(("trainer.progress", "logger"))]
+    args += ["logger=none", "trainer.accelerator=cpu", "data.batch_size=4"]
+    args += ["fault=poisoned_item", f"fault.item={item}"]
+    args += ["rollback.ladder=[retry,skip_rows,lower_lr,fp32_reduction]"]
+    r = launch_sh(run_dir, *args, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (v,) = _nonfinite(run_dir)
+    assert [(i["index"], i["rank"], i["row"]) for i in v["extra"]["items"]] == [(item, 1, 2)]
+    rb = [e for e in kinds(events(run_dir), "rollback") if e["monitor"] == "rollback"]
+    assert rb[0]["extra"]["skipped_items"] == [f"{item}:{digest}"]
+    rep = json.loads((run_dir / "replicas.json").read_text())
+    assert len({x["digest"] for x in rep["ranks"]}) == 1  # both ranks applied the same skip
+    (bundle,) = (run_dir / "bundles").iterdir()
+    b = data(bundle)
+    assert b["rows"] == 8 and b["replays"] <= math.log2(8) + 2
+    assert [(c["index"], c["hash"], c["rank"], c["row"]) for c in b["culprits"]] == [
+        (item, digest, 1, 2)
+    ]
