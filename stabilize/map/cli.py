@@ -27,7 +27,7 @@ from stabilize.map.spec import Cell, MapSpec, load_spec
 from stabilize.validate import ConfigError
 
 LAUNCHERS = ("joblib", "basic", "submitit_local", "submitit_slurm")
-# the tiny model on a 2-core AMD EPYC at 1 thread per cell (docs/map.md): the plan's estimate
+# one tiny cell at 1 thread on this project's 2-core CPU (docs/map.md): the plan's estimate
 TINY_START_S, TINY_STEP_S = 5.0, 0.08
 
 
@@ -144,7 +144,7 @@ def run_map(spec: MapSpec, root: Path, launcher: str, jobs: int, extra: list[str
     (root / "map_spec.json").write_text(json.dumps(spec.__dict__, indent=1))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
-    t0, n, worst = time.monotonic(), len(done), 0
+    t0, n = time.monotonic(), len(done)
     for recipe, g_lrs, seeds in groups(todo):
         cmd = command(spec, root, recipe, g_lrs, seeds, launcher, jobs, extra, wandb)
         group = [Cell(recipe, lr, s) for lr in g_lrs for s in seeds]
@@ -175,7 +175,6 @@ def run_map(spec: MapSpec, root: Path, launcher: str, jobs: int, extra: list[str
             last = f": {said[-1]}" if said else ""
             print(f"[map] {recipe}: stabilize-train -m exited {code}{last} (its console: {log})",
                   flush=True)  # fmt: skip
-            worst = max(worst, code)
             if code == EXIT_CONFIG and len(seen) == 0:
                 return EXIT_CONFIG
     from stabilize.lit.stability.bundle import versions

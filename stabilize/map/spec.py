@@ -10,7 +10,6 @@ what the map adds to each.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,8 +134,3 @@ def load_spec(path: str | Path | None = None, **overrides: Any) -> MapSpec:
         if key not in allowed:
             raise ConfigError(f"map.{key} is not a setting of a map ({path}); allowed: {allowed}")
     return MapSpec(**raw)
-
-
-def log_mean(values: list[float]) -> float:
-    """The geometric mean (an LR's average on its log scale)."""
-    return math.exp(sum(math.log(v) for v in values) / len(values))

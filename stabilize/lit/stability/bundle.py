@@ -113,9 +113,11 @@ def write_bundle(
         "train_state": pl_module.train_state.state_dict(),
         "fault": injector.snapshot_state() if injector is not None else None,
     }
-    big = [pl_module.model.state_dict(), opt.state_dict()]  # under FSDP: this rank's shards
-    size_mb = _nbytes([state, big]) / 2**20 * (world if sharded else 1)
-    omitted = rcfg.bundle_max_mb >= 0 and size_mb > rcfg.bundle_max_mb  # the same on every rank
+    # under FSDP these are DTensors, whose numel() is the global one: the size is the
+    # whole state's on every rank, so every rank takes the same decision
+    big = [pl_module.model.state_dict(), opt.state_dict()]
+    size_mb = _nbytes([state, big]) / 2**20
+    omitted = rcfg.bundle_max_mb >= 0 and size_mb > rcfg.bundle_max_mb
     if sharded and not omitted:  # every rank writes its shard (DCP's save: a collective)
         from stabilize.rollback.dcp import save_sharded
         from stabilize.rollback.snapshots import Snapshot
