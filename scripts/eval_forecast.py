@@ -50,7 +50,7 @@ from stabilize.norms import Norm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docblock import commit, cpu, replace_block  # noqa: E402
-from forecast_set import BASE, CODE, code_corpus, core, tags, wide  # noqa: E402
+from forecast_set import BASE, CODE, code_corpus, core, holdout, tags, wide  # noqa: E402
 from forecast_tables import report, score, truth_units  # noqa: E402
 
 
@@ -142,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--core", action="store_true", help="the core set only (24 runs)")
     p.add_argument("--save", type=Path, help="write the recorded runs here (JSON; runs already "
                    "in it are kept, not rerun)")  # fmt: skip
+    p.add_argument("--holdout", action="store_true", help="also the holdout set (scripts/"
+                   "forecast_set.py: recorded after the last change was chosen)")  # fmt: skip
     p.add_argument("--load", type=Path, help="score runs recorded by --save; no training")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a monitor.activation setting for the forecast (repeatable)")  # fmt: skip
@@ -162,9 +164,13 @@ def main(argv=None) -> int:
     cfg = ActivationConfig(**settings)
     t0 = time.time()
     plan = core(args.quick) + ([] if args.quick or args.core else wide())
+    plan += holdout() if args.holdout else []
     in_core = {name for _, name, _ in core()}
+    in_holdout = {name for _, name, _ in holdout()}
     if args.load:
         runs = json.loads(args.load.read_text())
+        if not args.holdout:  # scored only when asked for (--holdout)
+            runs = [r for r in runs if r["name"] not in in_holdout]
     else:
         # a --save file from an interrupted set: its finished runs are kept, not rerun
         runs = json.loads(args.save.read_text()) if args.save and args.save.exists() else []
@@ -180,7 +186,8 @@ def main(argv=None) -> int:
                     args.save.write_text(json.dumps(runs))
     ovs = {name: ov for _, name, ov in plan}
     tag = {r["name"]: {**r.get("tags", tags(ovs.get(r["name"], []))),
-                       "set": "core" if r["name"] in in_core else "wide"}
+                       "set": "core" if r["name"] in in_core
+                       else "holdout" if r["name"] in in_holdout else "wide"}
            for r in runs}  # fmt: skip
     crossings = {r["name"]: first_crossings(truth_units(r, cfg.threshold)) for r in runs}
     text, misses = report(runs, settings, tag, crossings, args.sweep, time.time() - t0)

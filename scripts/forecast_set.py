@@ -7,6 +7,9 @@ fp32 (nothing overflows, so a run goes on past its crossings) unless tagged ``fp
 reduction``: those train in fp16-mixed with a real fp16 norm reduction, whose first
 overflow is the crossing that matters.
 
+``holdout`` (``--holdout``) was recorded after the last change to the forecast was chosen
+on core + wide: other seeds and LRs on every placement, scored once for that change.
+
 ``core`` is the first set (2 placements of the tiny model, 3 LRs, 3 seeds), on which the
 forecast's settings were chosen. ``wide`` adds the axes users have, none of them used to
 choose a setting: the sandwich and DeepNorm placements, width 256 x depth 6, LayerNorm and
@@ -50,6 +53,8 @@ SWEEP = [
     {"forecast_confirm": 3},
     {"forecast_rate_noise": 0.3},
     {"forecast_rate_noise": 1.0},
+    {"forecast_climb": 0.0},
+    {"forecast_climb": 1.5},
 ]
 
 
@@ -69,12 +74,13 @@ def injected(channels: str):  # one outlier channel; all channels (spread growth
     return ("injected", f"drift-ch{channels}", [*drift, f"fault.channels={channels}"])
 
 
-def healthy(place: str = "pre", *extra: str, tag: str = "", fp16: bool = False):
-    ov = ["optim.lr=2e-3", f"norm.placement={place}", "trainer.max_steps=80", *extra]
+def healthy(place: str = "pre", *extra: str, tag: str = "", fp16: bool = False, lr=2e-3):
+    ov = [f"optim.lr={lr:g}", f"norm.placement={place}", "trainer.max_steps=80", *extra]
     if fp16:  # the main job's large_eps arm before its drift
         ov += [*FP16, "norm.eps=1e-3"]
         tag = tag or "fp16-eps1e-3"
-    return ("healthy", f"lr2e-3-{place}" + (f"-{tag}" if tag else ""), ov)
+    name = f"lr{lr:.0e}".replace("e-0", "e-")  # lr2e-3: the names runs were saved under
+    return ("healthy", f"{name}-{place}" + (f"-{tag}" if tag else ""), ov)
 
 
 def core(quick: bool = False) -> list[tuple[str, str, list[str]]]:
@@ -111,6 +117,23 @@ def wide() -> list[tuple[str, str, list[str]]]:
     ]
     for norm in ("layernorm", "scalenorm"):
         out += [natural(lr, "pre", 1, f"norm={norm}", tag=norm) for lr in (1e-2, 3e-2)]
+    return out
+
+
+def holdout() -> list[tuple[str, str, list[str]]]:
+    """Runs recorded after the forecast's last change was chosen on core + wide, and scored
+    once for it: other seeds (4, 5) and LRs (1.5e-2, 5e-2) on every placement, healthy runs
+    at LR 3e-3, the wide model on sandwich and DeepNorm, fp16 reductions and the code corpus
+    on the other seeds."""
+    out = []
+    for place in ("pre", "post", "sandwich", "deepnorm"):
+        out += [healthy(place, "seed=4", tag="s4", lr=3e-3)]
+        out += [natural(lr, place, seed) for seed in (4, 5) for lr in (1.5e-2, 5e-2)]
+    out += [healthy("post", *WIDE, "seed=4", tag="w256d6-s4")]
+    out += [natural(2e-2, p, 4, *WIDE, tag="w256d6") for p in ("sandwich", "deepnorm")]
+    out += [natural(2e-2, p, 4, *FP16_NATURAL, tag="fp16") for p in ("pre", "post")]
+    out += [natural(3e-2, p, 4, f"data.paths=[{CODE}]", "data=local", tag="code")
+            for p in ("sandwich", "deepnorm")]  # fmt: skip
     return out
 
 

@@ -8,7 +8,14 @@ from forecast_set import SWEEP
 
 from stabilize.monitors.activations import ActivationConfig, ActivationMonitor
 from stabilize.monitors.events import StepStats
-from stabilize.monitors.forecast_score import RunScore, fmt, row_metrics, table, target_misses
+from stabilize.monitors.forecast_score import (
+    NEAR,
+    RunScore,
+    fmt,
+    row_metrics,
+    table,
+    target_misses,
+)
 from stabilize.numerics import sum_of_squares_rms_limit
 
 
@@ -46,14 +53,24 @@ def replay(r: dict, cfg: ActivationConfig) -> dict[tuple[str, int], tuple[float,
     return out
 
 
+def near_warnings(r: dict, warned, horizon: int, threshold: float) -> set:
+    """The warnings whose layer rose past NEAR of its line within the horizon (float64)."""
+    truth = truth_units(r, threshold)
+    return {(u, s) for u, s in warned
+            if max((truth[t][u][0] for t in range(s + 1, s + horizon + 1)
+                    if u in truth.get(t, {})), default=0.0) >= NEAR}  # fmt: skip
+
+
 def score(runs: list[dict], cfg: ActivationConfig, crossings: dict) -> list[RunScore]:
     out = []
     for r in runs:
         warned = replay(r, cfg)
+        near = near_warnings(r, warned, cfg.horizon, cfg.threshold)
         out.append(RunScore(r["name"], r["group"], len(r["steps"]), crossings[r["name"]],
                             list(warned), cfg.horizon, first=cfg.forecast_start,
                             estimates={w: n for w, (n, _) in warned.items()},
-                            slowed={w: m for w, (_, m) in warned.items()}))  # fmt: skip
+                            slowed={w: m for w, (_, m) in warned.items()},
+                            near=near))  # fmt: skip
     return out
 
 
@@ -88,10 +105,15 @@ def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
         if len({t[axis] for t in tag.values()}) > 1:
             out += [f"By {axis} (each row: all of its runs, the healthy ones included):",
                     table(scores, key=lambda s, a=axis: tag[s.name][a])]  # fmt: skip
+    held = [s for s in scores if tag[s.name]["set"] == "holdout"]
+    if held:
+        out += ["By placement, the holdout set alone (recorded after the last change was "
+                "chosen):", table(held, key=lambda s: tag[s.name]["placement"])]  # fmt: skip
     if with_sweep:
         out += ["The trade-off (one setting changed from the defaults at a time; core: the "
-                "runs the defaults were chosen on, wide: the rest):", sweep(runs, settings,
-                crossings, lambda r: tag[r["name"]]["set"])]  # fmt: skip
+                "runs the first settings were chosen on, wide: the runs the stationary margin "
+                "and forecast_climb were chosen on, holdout: recorded after that):",
+                sweep(runs, settings, crossings, lambda r: tag[r["name"]]["set"])]  # fmt: skip
     out.append(f"Warnable: crossings at step >= {cfg.forecast_start + 5} (the first forecast is "
                f"at step {cfg.forecast_start}, 5 steps ahead of it).")  # fmt: skip
     misses = []

@@ -95,24 +95,49 @@ def test_silent_where_no_16_bit_reduction_can_overflow_unless_asked(precision, r
 
 
 def test_first_significant_solves_the_pessimistic_path_by_hand():
-    # level -2, slope 0.25, sigma 0.1, z 2: 0.25 u^2 - 0.2 u - 2 = 0 -> u = (0.2 + sqrt(2.04)) / 0.5
+    # level -2, slope 0.25, sigma 0.1, z 2: -2 - 0.2 + 0.25 h = 0 -> h = 2.2 / 0.25 = 8.8
     h = first_significant(-2.0, 0.25, 0.1, 2.0, 100)
-    assert h == pytest.approx(((0.2 + math.sqrt(2.04)) / 0.5) ** 2, rel=1e-12)
-    assert -2.0 + 0.25 * h - 0.2 * math.sqrt(h) == pytest.approx(0.0, abs=1e-9)
-    assert first_significant(-2.0, 0.25, 0.1, 2.0, 10) == math.inf  # beyond the horizon
+    assert h == pytest.approx(8.8, rel=1e-12)
+    assert first_significant(-2.0, 0.25, 0.1, 2.0, 8) == math.inf  # beyond the horizon
     assert first_significant(-2.0, -0.1, 0.1, 2.0, 100) == math.inf  # falling
+    assert first_significant(-0.1, 0.0, 0.1, 2.0, 100) == math.inf  # near, not rising
+    # the margin is z sigma at any distance: (0.1 + 0.2) / 0.01 = 30 (a random walk's
+    # sqrt(h) margin would want 0.01 h - 0.2 sqrt(h) - 0.1 = 0: h = 417)
+    assert first_significant(-0.1, 0.01, 0.1, 2.0, 100) == pytest.approx(30.0, rel=1e-12)
     assert first_significant(0.1, 0.0, 0.1, 2.0, 100) == 0.0  # already past
 
 
 def test_a_wandering_rate_needs_more_margin_by_hand():
-    """tau > 0: the path is level + slope h - z sqrt(sigma^2 h + tau^2 h^3 / 3), read step by
+    """tau > 0: the path is level + slope h - z sqrt(sigma^2 + tau^2 h^3 / 3), read step by
     step; the first h where it reaches 0, computed here in float64."""
     level, slope, sigma, z, tau = -2.0, 0.25, 0.1, 2.0, 0.02
     h = np.arange(1, 101, dtype=np.float64)
-    path = level + slope * h - z * np.sqrt(sigma**2 * h + tau**2 * h**3 / 3)
+    path = level + slope * h - z * np.sqrt(sigma**2 + tau**2 * h**3 / 3)
     want = float(h[np.argmax(path >= 0)])
     got = first_significant(level, slope, sigma, z, 100, tau=tau)
     assert got == want and got > first_significant(level, slope, sigma, z, 100)
+
+
+def test_no_crossing_needs_more_climb_than_the_layer_has_made():
+    """``forecast_climb``: a layer that rose x2.7 (1 in log) from its lowest point, now at
+    e^-2 of the line and climbing steadily, needs 2 more: not warned at climb 1, warned at 2
+    (and with the rule off). Later, once it has climbed more than what is left, it is."""
+    t = np.arange(1, 31, dtype=np.float64)
+    y = -3.0 + (t - 1) / 9.0  # log(value / line): 1 by step 10, 2 by 19, the line at 28
+    v = np.exp(y) * 256.0
+
+    def first(climb):
+        f = LineForecaster(climb=climb)
+        for i, x in enumerate(v):
+            p = f.update({("h.0", "abs"): (float(x), 256.0)})
+            if p and p[("h.0", "abs")].significant:
+                return i + 1, y[i] - y[0], -y[i]  # step, climb so far, rise left
+
+    step1, climbed, left = first(1.0)
+    assert climbed >= left and (y[step1 - 2] - y[0]) < -y[step1 - 2]  # the first step it holds
+    step2, _, _ = first(2.0)
+    step0, _, _ = first(0.0)
+    assert step0 <= step2 < step1
 
 
 def test_the_slowed_distance_is_scaled_and_a_confirmed_warning_comes_later():
@@ -134,7 +159,7 @@ def test_the_slowed_distance_is_scaled_and_a_confirmed_warning_comes_later():
         f"in ~{scaled.value:.0f} steps at this rate, ~{2.5 * scaled.value:.0f} if" in scaled.message
     )
     # a steady climb: the projection at this rate is the calibrated one, in float64
-    assert abs(crossing(v, 256.0) - plain.step - plain.value) <= 3
+    assert 0.8 <= plain.value / (crossing(v, 256.0) - plain.step) <= 1.25
     assert first(forecast_confirm=3).step == plain.step + 2
 
 

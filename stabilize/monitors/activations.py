@@ -52,6 +52,10 @@ class ActivationConfig:
     """Steps of increments the noise sigma is learned over."""
     forecast_reach: float = 2.0
     """Warn no further ahead than this many times the steps a layer has been seen."""
+    forecast_climb: float = 1.0
+    """Warn only of a crossing that needs no more rise (in log) than this many times what the
+    layer has risen since its lowest point (0: off): early training's first rise mostly
+    levels off."""
     forecast_damped: bool = True
     """Project a slowing rate as slowing (a damped trend: the recent half-window's rate
     against the older half's), so early training's levelling-off is not extrapolated."""
@@ -86,6 +90,7 @@ class ActivationConfig:
         check_positive("monitor.activation.forecast_z", self.forecast_z)
         check_positive("monitor.activation.noise_window", self.noise_window, integer=True)
         check_positive("monitor.activation.forecast_reach", self.forecast_reach)
+        check_range("monitor.activation.forecast_climb", self.forecast_climb, 0.0, 100.0)
         check_positive("monitor.activation.forecast_slowing", self.forecast_slowing)
         check_positive("monitor.activation.forecast_confirm", self.forecast_confirm, integer=True)
         check_range("monitor.activation.forecast_rate_noise", self.forecast_rate_noise, 0.0, 100.0)
@@ -147,6 +152,7 @@ class ActivationMonitor:
             damped=c.forecast_damped,
             reach=c.forecast_reach,
             rate_noise=c.forecast_rate_noise,
+            climb=c.forecast_climb,
             confirm=c.forecast_confirm,
             slowing=c.forecast_slowing,
             line="fp16_square" if c.line == "auto" else c.line,
@@ -165,6 +171,7 @@ class ActivationMonitor:
         damped: bool = True,
         reach: float = 2.0,
         rate_noise: float = 0.0,
+        climb: float = 1.0,
         confirm: int = 1,
         slowing: float = 1.0,
         line: str = "fp16_square",
@@ -187,6 +194,7 @@ class ActivationMonitor:
             damped=damped,
             reach=reach,
             rate_noise=rate_noise,
+            climb=climb,
         )
         self.above: set[str] = set()  # layers currently past the line (warn once per crossing)
         self.forecast: dict[str, float] = {}  # layer -> steps left (inf: not rising)

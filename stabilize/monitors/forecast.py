@@ -19,10 +19,13 @@ step (the values are already on the host; a few small numpy calls for all units 
   fitted when each was made, over the last ``noise_window`` steps: the unit's own
   fluctuation, a noise floor that follows the run instead of a fixed level;
 - the crossing is *significant* within ``horizon`` steps when even the pessimistic path
-  ``y + (mu - z se) h - z sigma sqrt(h)`` reaches 0 by then (``se``: the slope's standard
-  error over the window): the first such h solves a quadratic in sqrt(h). A layer that only
-  fluctuates, or grows slowly against its own noise, is not warned; a steady climb is,
-  however low it starts;
+  ``y - z sigma + (mu - z se) h`` reaches 0 by then (``se``: the slope's standard error
+  over the window; the fluctuation around the trend is stationary, so its margin is one
+  z sigma at any distance). A layer that only fluctuates, or grows slowly against its own
+  noise, is not warned; a steady climb is, however low it starts;
+- climb: no crossing is warned that needs more rise (in log) than the layer has made since
+  its lowest point, x ``climb`` (early training's first rise mostly levels off: a layer at
+  1/7 of the line that has tripled is not projected to climb 7x);
 - reach: no crossing is warned further ahead than ``reach`` x the steps seen so far (a
   projection reaches at most twice as far as its data by default): the first points of a
   run rise fast and mostly level off (eval: every early false warning came at steps 4-7);
@@ -102,28 +105,31 @@ def first_significant(
     phi: float = 1.0,
     tau: float = 0.0,
 ) -> float:
-    """The first h in (0, horizon] where the pessimistic path reaches 0, else inf.
+    """The first h in [0, horizon] where the pessimistic path reaches 0, else inf.
 
-    The path is level + slope S(h) - z sqrt(sigma^2 h + tau^2 h^3 / 3), S(h) = h for a steady
-    rate (phi = 1) and phi (1 - phi^h) / (1 - phi) for one that decays by phi per step (a
-    damped trend, Gardner & McKenzie 1985). ``tau``: the rate's own step-to-step drift (a
-    local linear trend, Harvey 1989: a rate that wanders by tau a step moves the level by
-    ~tau h^1.5 / sqrt(3) in h steps), so a long extrapolation of a rate that has not held
-    needs more margin than a short one. For phi = 1 and tau = 0, with u = sqrt(h):
-    slope u^2 - z sigma u + level = 0, whose positive root is the first crossing; otherwise
+    The path is level - z sqrt(sigma^2 + tau^2 h^3 / 3) + slope S(h): the layer's trend
+    less z of its fluctuations around it. The fluctuation is stationary, not a random walk
+    (measured on the eval's runs, docs/forecast.md: the variance of an 8-step difference
+    around the trend is ~2x a 1-step one's, where a random walk's is 8x), so its margin
+    does not widen with h. S(h) = h for a steady rate (phi = 1) and phi (1 - phi^h) /
+    (1 - phi) for one that decays by phi per step (a damped trend, Gardner & McKenzie
+    1985). ``tau``: the rate's own step-to-step drift (a local linear trend, Harvey 1989: a
+    rate that wanders by tau a step moves the level by ~tau h^1.5 / sqrt(3) in h steps), so
+    a long extrapolation of a rate that has not held needs more margin than a short one.
+    A layer that is not rising is not warned, however near it sits (its noise alone is not
+    a forecast). For phi = 1 and tau = 0 the crossing is (z sigma - level) / slope; otherwise
     the path is read step by step."""
     if level >= 0:
         return 0.0
     if slope <= 0:
         return math.inf
-    zs = z * sigma
+    margin = level - z * sigma
     if phi >= 1.0 and tau <= 0.0:
-        u = (zs + math.sqrt(zs * zs - 4 * slope * level)) / (2 * slope)
-        h = u * u
+        h = max(0.0, -margin / slope)
         return h if h <= horizon else math.inf
     h = np.arange(1, int(horizon) + 1, dtype=np.float64)
     rise = slope * h if phi >= 1.0 else slope * phi * (1 - phi**h) / (1 - phi)
-    path = level + rise - z * np.sqrt(sigma * sigma * h + tau * tau * h**3 / 3.0)
+    path = level + rise - z * np.sqrt(sigma * sigma + tau * tau * h**3 / 3.0)
     hit = np.flatnonzero(path >= 0)
     return float(h[hit[0]]) if hit.size else math.inf
 
@@ -156,9 +162,10 @@ class LineForecaster:
         damped: bool = True,
         reach: float = 2.0,
         rate_noise: float = 0.0,
+        climb: float = 1.0,
     ):
         self.horizon, self.window, self.z, self.damped = horizon, window, z, damped
-        self.reach, self.rate_noise = reach, rate_noise
+        self.reach, self.rate_noise, self.climb = reach, rate_noise, climb
         self.min_points = max(3, min(min_points, window))
         self.noise_window, self.min_sigma = noise_window, min_sigma
         self.hist: dict[Unit, deque[float]] = {}
@@ -166,6 +173,7 @@ class LineForecaster:
         self.slope: dict[Unit, float] = {}  # last fitted slope per unit
         self.rates: dict[Unit, deque[float]] = {}  # the fitted slopes, step by step
         self.seen: dict[Unit, int] = {}  # points seen per unit (the reach grows with it)
+        self.low: dict[Unit, float] = {}  # the lowest y seen per unit (the climb so far)
 
     def update(self, values: dict[Unit, tuple[float, float]]) -> dict[Unit, Projection]:
         ready: dict[int, list[Unit]] = {}  # points in the window -> units
@@ -181,6 +189,7 @@ class LineForecaster:
                 self.dev[unit].append(abs(y - h[-1] - self.slope[unit]))
             h.append(y)
             self.seen[unit] = self.seen.get(unit, 0) + 1
+            self.low[unit] = min(y, self.low.get(unit, y))
             if len(h) >= self.min_points:
                 ready.setdefault(len(h), []).append(unit)
         out: dict[Unit, Projection] = {}
@@ -230,6 +239,8 @@ class LineForecaster:
             d = np.diff(np.fromiter(rates, np.float64))
             tau = self.rate_noise * _MAD * float(np.median(np.abs(d - np.median(d))))
         within = first_significant(level, s_low, sigma, self.z, ahead, phi, tau)
+        if self.climb > 0 and -level > self.climb * (y[-1] - self.low[u]):
+            within = math.inf  # more rise to the line than the layer has made so far
         return Projection(level, s, sigma, steps_left(level, s, phi), within, phi)
 
     def state_dict(self) -> dict:
@@ -240,6 +251,7 @@ class LineForecaster:
             "slope": {key(u): s for u, s in self.slope.items()},
             "seen": {key(u): n for u, n in self.seen.items()},
             "rates": {key(u): list(r) for u, r in self.rates.items()},
+            "low": {key(u): v for u, v in self.low.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -253,3 +265,6 @@ class LineForecaster:
         self.seen = {unit(k): int(n) for k, n in state["seen"].items()}
         rates = state.get("rates", {})  # an older checkpoint: the drift is learned again
         self.rates = {unit(k): deque(v, maxlen=self.noise_window) for k, v in rates.items()}
+        # an older checkpoint: the lowest point seen is the oldest one still held
+        low = state.get("low") or {k: min(v) for k, v in state["hist"].items() if v}
+        self.low = {unit(k): float(v) for k, v in low.items()}
