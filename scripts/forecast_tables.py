@@ -3,6 +3,9 @@ recorded statistics, and the tables, the trade-off sweep and the targets it prin
 
 from __future__ import annotations
 
+import statistics
+
+import numpy as np
 import torch
 from forecast_set import SWEEP
 
@@ -94,6 +97,32 @@ def sweep(runs, settings, crossings, part) -> str:
     return "\n".join(rows)
 
 
+def noise_growth(runs: list[dict], threshold: float, seg: int = 24, skip: int = 20) -> str:
+    """Is a layer's fluctuation around its trend a random walk or stationary? Per layer, in
+    ``seg``-step segments past step ``skip`` and before its crossing, the float64 series of
+    log(value / line) less a quadratic fit; the variance of its h-step differences over its
+    1-step ones is h for a random walk and ~1 for stationary noise."""
+    ratios: dict[int, list[float]] = {4: [], 8: []}
+    for r in runs:
+        truth = truth_units(r, threshold)
+        steps = sorted(truth)
+        for u in truth[steps[-1]]:
+            v = [truth[s][u][0] for s in steps[skip:] if u in truth[s]]
+            y = np.log([x for x in v[: next((i for i, x in enumerate(v) if not 0 < x < 1),
+                                           len(v))]])  # fmt: skip
+            t = np.arange(seg)
+            for a in range(0, len(y) - seg + 1, seg):
+                res = y[a : a + seg] - np.polyval(np.polyfit(t, y[a : a + seg], 2), t)
+                one = np.var(res[1:] - res[:-1])
+                for h in ratios:
+                    ratios[h].append(float(np.var(res[h:] - res[:-h]) / one))
+    parts = [f"h={h}: median {statistics.median(v):.2f} (random walk {h}, stationary ~1)"
+             for h, v in ratios.items() if v]  # fmt: skip
+    return (f"Noise: variance of an h-step difference around each layer's trend over a 1-step "
+            f"one ({len(ratios[4])} segments of {seg} steps past step {skip}, before any "
+            "crossing): " + ("; ".join(parts) or "no segment long enough") + ".")  # fmt: skip
+
+
 def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
     """The printed text, and the targets missed (one line each)."""
     cfg = ActivationConfig(**settings)
@@ -114,6 +143,7 @@ def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
                 "runs the first settings were chosen on, wide: the runs the stationary margin "
                 "and forecast_climb were chosen on, holdout: recorded after that):",
                 sweep(runs, settings, crossings, lambda r: tag[r["name"]]["set"])]  # fmt: skip
+    out.append(noise_growth(runs, cfg.threshold))
     out.append(f"Warnable: crossings at step >= {cfg.forecast_start + 5} (the first forecast is "
                f"at step {cfg.forecast_start}, 5 steps ahead of it).")  # fmt: skip
     misses = []
