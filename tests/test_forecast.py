@@ -12,7 +12,7 @@ import pytest
 from stabilize.monitors import ActivationConfig, ActivationMonitor, StepStats
 from stabilize.monitors.activations import resolve_line
 from stabilize.monitors.forecast import LineForecaster, first_significant
-from stabilize.monitors.forecast_score import RunScore, first_crossings
+from stabilize.monitors.forecast_score import RunScore, first_crossings, row_metrics
 
 D = 128
 RMS_LINE = math.sqrt(65504.0) / math.sqrt(D)  # 22.62: the fp16 sum of 128 squares overflows
@@ -189,6 +189,14 @@ def test_score_counts_timely_followed_and_undetermined_warnings_by_hand():
     assert RunScore("r", "natural", 8, crossings, [], 10, lead_min=4, first=2).warnable == set()
     short = RunScore("r", "natural", 20, crossings, [("b", 2)], horizon=10)
     assert (short.true_warnings, short.undetermined, short.false_warnings) == (0, 0, 1)
+    # a near miss (its layer rose past half the line: given by the caller) is a false warning
+    # still, counted apart; a true warning in ``near`` is not a near miss
+    calm = RunScore("h", "healthy", 20, {}, [("b", 2), ("b", 9)], horizon=10, near={("b", 2)})
+    assert (calm.false_warnings, calm.near_misses) == (2, 1)
+    m = row_metrics([calm])
+    assert (m["false_per_k"], m["near"], m["false_per_k_far"]) == (100.0, 1, 50.0)
+    hit = RunScore("r", "natural", 8, crossings, [("a", 1)], horizon=10, near={("a", 1)})
+    assert (hit.true_warnings, hit.near_misses) == (1, 0)
 
 
 def test_a_natural_crossing_in_a_real_run_is_warned_ahead(tmp_path):
