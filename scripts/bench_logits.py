@@ -7,7 +7,7 @@ machine's speed hits both arms alike. "On" is the default config:
 
 - ``monitor.attn_logit``: the attention-logit bound measured on every step (else only on log
   steps) and its line / forecast;
-- ``monitor.log_z``: logsumexp of the final logits every step (a forward hook);
+- ``monitor.log_z``: log Z of the final logits every step (read off the loss's log-softmax);
 - ``monitor.attn_entropy``: the lowest head entropy on log steps (one sequence's attention
   probabilities at up to 64 query rows, every block);
 - the per-block gradient norms and update/weight ratios on log steps (one AdamW-shaped pass
@@ -73,9 +73,6 @@ class LogitToggle(Toggle):
                 sc.suite.monitors.pop(k, None)
         sc._detailed_always = self.always if on else False
         probe.measure_log_z = on
-        if not on and probe._lz_handle is not None:
-            probe._lz_handle.remove()
-            probe._lz_handle = None
 
 
 def bench(name: str, args, tmp: Path) -> dict:

@@ -291,3 +291,36 @@ def test_log_z_of_16_bit_logits_in_chunks_equals_float64():
         assert chunked.dtype == torch.float32 and chunked.shape == (3, 70)
         torch.testing.assert_close(chunked.double(), ref, rtol=1e-6, atol=1e-5)
         assert torch.equal(chunked, torch.logsumexp(x.float(), dim=-1))
+
+
+def test_the_loss_hands_its_own_log_z_to_the_probe_without_changing_the_loss():
+    """lm_loss with a sink: the same loss and gradient, bit for bit, as F.cross_entropy; the
+    sink's log Z (x_y - log_softmax(x)_y) equals a float64 logsumexp of the same logits, for
+    fp32 and 16-bit logits, with logits near 0 and far from it."""
+    import torch.nn.functional as F
+
+    from stabilize.model.logits import lm_loss
+
+    class Sink:
+        def record_log_z(self, lz):
+            self.lz = lz
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, scale, shift in (
+        (torch.float32, 3, 0),
+        (torch.float32, 8, 40),
+        (torch.bfloat16, 8, 0),
+    ):
+        x = (torch.randn(2, 33, 300, generator=g) * scale + shift).to(dtype)
+        y = torch.randint(0, 300, (2, 33), generator=g)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        sink = Sink()
+        got = lm_loss(a, y, sink=sink)
+        want = F.cross_entropy(b.flatten(0, 1).float(), y.flatten())
+        assert torch.equal(got, want)
+        got.backward()
+        want.backward()
+        assert torch.equal(a.grad, b.grad)
+        ref = torch.logsumexp(x.double(), dim=-1).flatten()
+        assert sink.lz.dtype == torch.float32 and not sink.lz.requires_grad
+        torch.testing.assert_close(sink.lz.double(), ref, rtol=1e-6, atol=1e-5)

@@ -180,7 +180,9 @@ class GPTLitModule(L.LightningModule):
         (validation: the held-out loss is the cross-entropy alone)."""
         x, y = batch  # [B, T] each
         logits = self.model(x)  # [B, T, V]
-        return lm_loss(logits, y, self.model.z_loss if z_loss else 0.0)
+        # a training forward's log Z goes to the probe, read off the loss's own log-softmax
+        sink = self.model.logit_softcap.stats_sink if self.training else None
+        return lm_loss(logits, y, self.model.z_loss if z_loss else 0.0, sink)
 
     @property
     def window_start(self) -> bool:

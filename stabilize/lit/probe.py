@@ -39,7 +39,6 @@ from stabilize.lit.param_stats import (
     param_groups_by_block,
     sampled_queries,
 )
-from stabilize.model.logits import log_z
 from stabilize.model.recompute import recomputing
 from stabilize.norms import Norm, get_norm_type
 
@@ -80,8 +79,10 @@ class StabilityProbe:
         self._q: list[torch.Tensor | None] = [None] * na
         self._handles: list = []
         self._attn_handles: list = []  # only on detailed steps (see reset)
-        self._lz_handle = None  # the final logits' log Z, every step (reset puts it on)
-        self.measure_log_z = True  # off: no log Z hook (scripts/bench_logits.py toggles it)
+        # the final logits' log Z, every training micro-batch: the loss hands it over
+        # (model.logits.lm_loss's sink), read off its own log-softmax
+        model.logit_softcap.stats_sink = self
+        self.measure_log_z = True  # off: not recorded (scripts/bench_logits.py toggles it)
         self.detailed = False
         # Pre-norm and sandwich: block i's output is exactly the input of the next norm
         # (h.{i+1}.ln_1, or ln_f after the last block), which the norm already measures;
@@ -131,8 +132,6 @@ class StabilityProbe:
         self.buf.copy_(self._fresh)
         self._q = [None] * len(self.attn)
         self._qs = [None] * len(self.attn)
-        if self.measure_log_z and self._lz_handle is None:
-            self._lz_handle = self.model.logit_softcap.register_forward_hook(self._logit_hook)
         if (detailed or self.logged) and not self._attn_handles:
             for i, block in enumerate(self.model.h):
                 self._attn_handles.append(block.attn.q_norm.register_forward_hook(self._q_hook(i)))
@@ -177,14 +176,14 @@ class StabilityProbe:
 
         return hook
 
-    def _logit_hook(self, module, args, out):  # out: [B, T, V], the logits the loss reads
-        if module.training and self.buf is not None:
-            with torch.no_grad():
-                lz = log_z(out)  # [B, T]
-                b, k = self.buf, self._o_lzsum
-                b[self._o_lz] = torch.maximum(b[self._o_lz], lz.amax())
-                b[k] += lz.sum()
-                b[k + 1] += lz.numel()
+    def record_log_z(self, lz: torch.Tensor) -> None:
+        """Every token's log Z of a training micro-batch ([N], from the loss: lm_loss's
+        ``sink``): its max and sum, and the token count, into the step's slots."""
+        if self.measure_log_z and self.buf is not None:
+            b, k = self.buf, self._o_lzsum
+            b[self._o_lz] = torch.maximum(b[self._o_lz], lz.amax())
+            b[k] += lz.sum()
+            b[k + 1] += lz.numel()
 
     def record_params(self, optimizer, grad_norm: torch.Tensor, max_norm: float) -> None:
         """On a logged step's optimizer step (gradients final and unscaled, nothing applied):
@@ -305,9 +304,8 @@ class StabilityProbe:
         """Detach from the model: hooks removed, the norms stop reporting."""
         self._remove(self._handles)
         self._remove(self._attn_handles)
-        if self._lz_handle is not None:
-            self._lz_handle.remove()
-            self._lz_handle = None
+        if self.model.logit_softcap.stats_sink is self:
+            self.model.logit_softcap.stats_sink = None
         for m in self._norm_modules:
             if m.stats_sink is self:
                 m.stats_sink, m.stats_index = None, -1

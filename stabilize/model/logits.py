@@ -23,6 +23,8 @@ class LogitSoftcap(nn.Module):
     def __init__(self, cap: float = 0.0):
         super().__init__()
         self.cap = float(cap)
+        # a probe reading each training loss's log Z (``record_log_z``; lm_loss's ``sink``)
+        self.stats_sink = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cap <= 0:
@@ -55,11 +57,27 @@ def log_z(logits: torch.Tensor, chunk_elems: int = CHUNK_ELEMS) -> torch.Tensor:
     return out.reshape(logits.shape[:-1])
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+def lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, sink=None
+) -> torch.Tensor:
     """Next-token cross-entropy in fp32 (logits [B, T, V], targets [B, T]), plus
-    ``z_loss * mean(log Z^2)`` when the coefficient is positive."""
+    ``z_loss * mean(log Z^2)`` when the coefficient is positive.
+
+    ``sink``: given every token's log Z (``sink.record_log_z``, [B*T], no gradient), read
+    off the loss's own log-softmax: log Z = x_y - log_softmax(x)_y at the target y, where
+    log_softmax is small (-loss per token), so nothing is lost to cancellation. The same two
+    ops F.cross_entropy runs (log_softmax, then nll_loss): the same loss, and no second pass
+    over the [B*T, V] logits for the monitor."""
     flat = logits.flatten(0, 1).float()  # [B*T, V]
-    loss = F.cross_entropy(flat, targets.flatten())
+    tgt = targets.flatten()
+    if sink is None:
+        loss = F.cross_entropy(flat, tgt)
+    else:
+        lsm = F.log_softmax(flat, dim=-1)
+        loss = F.nll_loss(lsm, tgt)
+        with torch.no_grad():
+            at = tgt.unsqueeze(1)
+            sink.record_log_z((flat.gather(1, at) - lsm.gather(1, at)).squeeze(1))
     if z_loss > 0:
         loss = loss + z_loss * log_z(flat).square().mean()
     return loss
