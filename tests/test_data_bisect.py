@@ -51,7 +51,10 @@ def test_a_poisoned_sequence_is_isolated_recorded_and_skipped_on_resume(tmp_path
     item, digest, again, n_items = _planted(tmp_path)
     assert again * 8 >= n_items  # it comes back in the next epoch (one epoch: n_items rows)
     a = tmp_path / "a"
-    fault = ["fault=poisoned_item", f"fault.item={item}"]
+    # the whole batch skipped in the run (skip_batch, not the default skip_rows, which would
+    # record the block itself): the bisection of the bundle is what names it here
+    fault = ["fault=poisoned_item", f"fault.item={item}",
+             "rollback.ladder=[retry,skip_batch,lower_lr,fp32_reduction]"]  # fmt: skip
     out = run(compose_run(a, [*COMMON, *fault]))
     assert out["model_step"] == 8
     (v,) = _nonfinite(a)
@@ -145,8 +148,7 @@ def test_the_skip_rows_rung_drops_only_the_poisoned_sequence_and_ends_like_a_run
     steps = [f"trainer.max_steps={again + 2}", f"trainer.checkpoint_every_n_steps={again + 2}"]
     fault = ["fault=poisoned_item", f"fault.item={item}"]
     a = tmp_path / "a"
-    ladder = "rollback.ladder=[retry,skip_rows,lower_lr,fp32_reduction]"
-    out = run(compose_run(a, [*COMMON, *fault, *steps, ladder]))
+    out = run(compose_run(a, [*COMMON, *fault, *steps]))  # the default ladder's skip_rows
     assert out["model_step"] == again + 2
     (v,) = _nonfinite(a)
     assert v["extra"]["class"] == "data"
@@ -180,8 +182,7 @@ def test_on_two_ranks_the_sequence_is_found_on_its_rank_in_the_run_and_in_the_bu
     run_dir = tmp_path / "run"
     args = [a for a in COMMON if not a.startswith(("trainer.progress", "logger"))]
     args += ["logger=none", "trainer.accelerator=cpu", "data.batch_size=4"]
-    args += ["fault=poisoned_item", f"fault.item={item}"]
-    args += ["rollback.ladder=[retry,skip_rows,lower_lr,fp32_reduction]"]
+    args += ["fault=poisoned_item", f"fault.item={item}"]  # the default ladder: skip_rows
     r = launch_sh(run_dir, *args, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (v,) = _nonfinite(run_dir)

@@ -37,7 +37,7 @@ class RollbackConfig:
     margin: int = 1
     """Restore a snapshot at least this many steps older than the fault."""
     ladder: list[str] = field(
-        default_factory=lambda: ["retry", "skip_batch", "lower_lr", "fp32_reduction"]
+        default_factory=lambda: ["retry", "skip_rows", "lower_lr", "fp32_reduction"]
     )
     """Remedies (registered names, stabilize/rollback/remedies.py). With ``classify``: the
     rungs that fit the fault's class, in this order (none fit: the whole ladder); without:
@@ -97,10 +97,11 @@ class RollbackPolicy:
 
     A classified fault (``event.extra["class"]``) takes the ladder's rungs that fit its
     class (``Remedy.classes``): a transient or data-linked one the first of them every time
-    (``retry``, ``skip_batch``: each occurrence is a new one), a deterministic one climbs
-    them. An unclassified fault, or a class no rung fits, climbs the whole ladder. The
-    diagnosed site orders the rungs: those whose ``Remedy.sites`` name the fault's monitor
-    go first (an overflowed reduction: fp32_reduction before lower_lr). Climbing: each
+    (``retry``, ``skip_rows`` or ``skip_batch``: each occurrence is a new one), a
+    deterministic one climbs them. An unclassified fault, or a class no rung fits, climbs
+    the whole ladder. The diagnosed site orders the rungs: those whose ``Remedy.sites``
+    name the fault's monitor go first (an overflowed reduction: fp32_reduction before
+    lower_lr). Climbing: each
     rollback for the same monitor (and class) takes the next rung, passing over a rung that
     would change nothing on the current state (``Remedy.unchanged``, e.g. fp32_reduction
     when every norm already reduces in fp32: named in ``Decision.skipped``); past the last
