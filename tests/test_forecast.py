@@ -141,7 +141,8 @@ def test_no_crossing_needs_more_climb_than_the_layer_has_made():
 
 
 def test_the_slowed_distance_is_scaled_and_a_confirmed_warning_comes_later():
-    """``forecast_slowing`` scales only the warning's second distance ("~M if it slows");
+    """``forecast_slow_steps`` scales only the warning's second distance ("~M if it slows",
+    N x (1 + s / step));
     ``forecast_confirm`` = k warns k - 1 steps after k = 1 on a steady climb."""
     v = series(60, 2.0, 1.15, 0.03, 1)
 
@@ -152,11 +153,13 @@ def test_the_slowed_distance_is_scaled_and_a_confirmed_warning_comes_later():
                 if e.monitor == "forecast":
                     return e
 
-    plain, scaled = first(forecast_slowing=1.0), first(forecast_slowing=2.5)
+    plain, scaled = first(forecast_slow_steps=0.0), first(forecast_slow_steps=6.0)
     assert (plain.step, plain.value) == (scaled.step, scaled.value)
-    assert scaled.extra["if_slowing"] == pytest.approx(2.5 * scaled.value)
+    k = 1 + 6.0 / scaled.step  # by hand: the step the warning came at
+    assert scaled.extra["if_slowing"] == pytest.approx(k * scaled.value)
+    assert plain.extra["if_slowing"] == pytest.approx(plain.value)
     assert (
-        f"in ~{scaled.value:.0f} steps at this rate, ~{2.5 * scaled.value:.0f} if" in scaled.message
+        f"in ~{scaled.value:.0f} steps at this rate, ~{k * scaled.value:.0f} if" in scaled.message
     )
     # a steady climb: the projection at this rate is the calibrated one, in float64
     assert 0.8 <= plain.value / (crossing(v, 256.0) - plain.step) <= 1.25
