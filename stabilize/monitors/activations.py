@@ -307,14 +307,16 @@ class ActivationMonitor:
         why = "an fp16 square overflows" if kind == "abs" else "the fp16 sum of squares overflows"
         # natural growth slows with the step (measured: forecast_slow_steps)
         slowed = p.left * (1.0 + self.slow_steps / max(step, 1))
+        z = f"{self.forecaster.z:g} sigma"
+        at = math.ceil(p.within)
+        soon = f"within {z} of it now" if p.within < 1 else f"at {z} as soon as {at}"
         return Event(
             WARN,
             "forecast",
             step,
             f"{layer}: {what} {value:.4g} rising x{math.exp(p.slope):.3f}/step (noise "
             f"x{math.exp(p.sigma):.3f}); crosses {line:.4g} ({why}) in ~{p.left:.0f} steps at "
-            f"this rate, ~{slowed:.0f} if it slows as natural growth does (at "
-            f"{self.forecaster.z:g} sigma as soon as {math.ceil(p.within)})",
+            f"this rate, ~{slowed:.0f} if it slows as natural growth does ({soon})",
             layer=layer,
             value=p.left,
             threshold=float(self.horizon),
