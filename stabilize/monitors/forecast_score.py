@@ -191,5 +191,5 @@ def target_misses(name: str, ss: list[RunScore]) -> list[str]:
             continue
         ok = v >= want if op == ">=" else v <= want if op == "<=" else want[0] <= v <= want[1]
         if not ok:
-            out.append(f"{name}: {label} {v:.2f}, target {op} {want}")
+            out.append(f"{name}: {label} {v:.3f}, target {op} {want}")
     return out
