@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--save", type=Path, help="write the recorded runs here (JSON; runs already "
                    "in it are kept, not rerun)")  # fmt: skip
     p.add_argument("--holdout", action="store_true", help="also the holdout set (scripts/"
-                   "forecast_set.py: recorded after the last change was chosen)")  # fmt: skip
+                   "forecast_set.py: not scored while the last change was chosen)")  # fmt: skip
     p.add_argument("--load", type=Path, help="score runs recorded by --save; no training")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a monitor.activation setting for the forecast (repeatable)")  # fmt: skip

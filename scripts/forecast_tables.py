@@ -136,12 +136,12 @@ def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
                     table(scores, key=lambda s, a=axis: tag[s.name][a])]  # fmt: skip
     held = [s for s in scores if tag[s.name]["set"] == "holdout"]
     if held:
-        out += ["By placement, the holdout set alone (recorded after the last change was "
+        out += ["By placement, the holdout set alone (not scored while the last change was "
                 "chosen):", table(held, key=lambda s: tag[s.name]["placement"])]  # fmt: skip
     if with_sweep:
         out += ["The trade-off (one setting changed from the defaults at a time; core: the "
                 "runs the first settings were chosen on, wide: the runs the stationary margin "
-                "and forecast_climb were chosen on, holdout: recorded after that):",
+                "and forecast_climb were chosen on, holdout: scored only after that):",
                 sweep(runs, settings, crossings, lambda r: tag[r["name"]]["set"])]  # fmt: skip
     out.append(noise_growth(runs, cfg.threshold))
     out.append(f"Warnable: crossings at step >= {cfg.forecast_start + 5} (the first forecast is "
