@@ -38,6 +38,8 @@ CONFIGS = {
     "small": ["model=tiny", "model.n_layer=4"],  # twice tiny's depth: ~2x its step time
     # tiny's depth at 4x its width: the matmuls grow 16x, the per-layer monitoring work less
     "wide": ["model=tiny", "model.d_model=512", "model.n_head=8"],
+    # GPT-3 Small at 4 x 2048 tokens: for a GPU (scripts/gpu_check.sh's stage 4)
+    "gpt-125m": ["model=gpt-125m", "data.batch_size=4"],
 }
 
 

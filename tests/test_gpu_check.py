@@ -22,6 +22,20 @@ def test_script_parses_and_prints_help():
     r = run_cli([str(SCRIPT), "--help"], cwd=ROOT)
     assert r.returncode == 0 and "under 8 minutes" in r.stdout
     assert run_cli([str(SCRIPT), "--bogus"], cwd=ROOT).returncode == 2
+    assert "--cost" in r.stdout and "4. (--cost)" in r.stdout
+
+
+def test_the_cost_stage_configs_compose_for_both_benchmarks(tmp_path):
+    """Stage 4 (``--cost``) runs bench_interleaved.py and bench_monitors.py on benchlib's
+    gpt-125m config in bf16-mixed: both compose into that run here (no GPU needed)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchlib import CONFIGS, compose_cfg, run_overrides
+
+    text = SCRIPT.read_text()
+    assert "--configs gpt-125m --precision bf16-mixed" in text
+    cfg = compose_cfg(str(tmp_path), run_overrides(CONFIGS["gpt-125m"], "bf16-mixed", 10, "none"))
+    assert (cfg.model.name, cfg.model.n_layer, cfg.model.d_model) == ("gpt-125m", 12, 768)
+    assert cfg.precision.name == "bf16-mixed" and cfg.data.batch_size == 4
 
 
 def overrides() -> list[str]:
