@@ -1,0 +1,57 @@
+"""scripts/forecast_tables.py's noise line and near misses on synthetic runs whose kind is
+known by construction: a random walk's segments read as its simulated reference, independent
+noise as its own, and a warning is a near miss exactly when its layer rose past half its line
+within the horizon (by hand)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import numpy as np
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from forecast_tables import near_warnings, noise_growth  # noqa: E402
+
+
+def _run(logs: list[np.ndarray]) -> dict:
+    """A recorded run in eval_forecast's format: layer i's |x| max is 256 exp(logs[i][t])."""
+    steps = [
+        {"stats": {"step": t + 1}, "truth": {f"h.{i}": (256.0 * float(np.exp(y[t])), -1.0)
+                                             for i, y in enumerate(logs)}}
+        for t in range(len(logs[0]))
+    ]  # fmt: skip
+    return {"steps": steps, "alias": {}, "dims": {}}
+
+
+def _medians(line: str) -> dict[int, tuple[float, float, float]]:
+    pat = r"h=(\d+): median ([\d.]+) \(a random walk ([\d.]+), independent noise ([\d.]+)\)"
+    return {int(h): (float(a), float(b), float(c)) for h, a, b, c in re.findall(pat, line)}
+
+
+def test_the_noise_line_tells_a_random_walk_from_independent_noise():
+    rng = np.random.default_rng(1)
+    n = 20 + 24 * 4  # past the skipped first 20 steps: 4 segments of 24 per layer
+    walk = [_run([-4.0 + 0.05 * np.cumsum(rng.standard_normal(n)) for _ in range(10)])
+            for _ in range(10)]  # fmt: skip
+    noise = [_run([-4.0 + 0.05 * rng.standard_normal(n) for _ in range(10)]) for _ in range(10)]
+    for runs, kind in ((walk, 1), (noise, 2)):
+        got = _medians(noise_growth(runs, 256.0))
+        assert set(got) == {4, 8}
+        for measured, *refs in got.values():
+            # within 15% of its own kind's reference, and nearer it than the other's
+            assert abs(measured / refs[kind - 1] - 1) < 0.15
+            assert abs(measured - refs[kind - 1]) < abs(measured - refs[2 - kind])
+
+
+def test_a_near_miss_is_a_rise_past_half_the_line_within_the_horizon_by_hand():
+    # layer h.0: ratio 0.1 until step 10, 0.6 at step 12, then 0.2; h.1 stays at 0.3
+    y0 = np.log([0.1] * 10 + [0.3, 0.6] + [0.2] * 8)
+    y1 = np.log([0.3] * 20)
+    r = _run([y0, y1])
+    warned = [("h.0", 2), ("h.0", 12), ("h.1", 3)]
+    # h.0 at 2: step 12 (0.6) is within 10 steps; at 12: only later steps count (0.2)
+    assert near_warnings(r, warned, horizon=10, threshold=256.0) == {("h.0", 2)}
+    assert near_warnings(r, warned, horizon=9, threshold=256.0) == set()  # 12 > 2 + 9
