@@ -91,3 +91,32 @@ def test_a_step_that_does_not_fail_has_no_sequence_to_bisect(spiked):
 
     b = data(spiked)
     assert (b["failing"], b["culprits"], b["replays"], b["rows"]) == (False, None, 1, 4)
+
+
+def test_a_bundle_of_an_older_version_replays_without_its_retired_settings(spiked, tmp_path):
+    """A bundle whose config still holds a setting this version retired (``forecast_slowing``,
+    now ``forecast_slow_steps``) replays: the retired key is dropped, the step is the same
+    bit for bit. Any other unknown key is still refused."""
+    import shutil
+
+    from stabilize.lit.config import RunConfig
+    from stabilize.lit.stability.bundle import sha256
+    from stabilize.validate import ConfigError
+
+    old = tmp_path / spiked.name
+    shutil.copytree(spiked, old)
+    meta = json.loads((old / "meta.json").read_text())
+    act = meta["config"]["monitor"]["activation"]
+    act["forecast_slowing"] = 1.8  # what the previous version wrote
+    del act["forecast_slow_steps"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    man = json.loads((old / "manifest.json").read_text())
+    f = old / "meta.json"
+    man["files"]["meta.json"] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
+    (old / "manifest.json").write_text(json.dumps(man))
+    out = replay(old)
+    rec = meta["recorded"]
+    assert out["exact"] and out["loss"] == rec["loss"] and out["grad_norm"] == rec["grad_norm"]
+    act["bogus_setting"] = 1
+    with pytest.raises(ConfigError, match="bogus_setting is not a known setting"):
+        RunConfig.from_saved(meta["config"])

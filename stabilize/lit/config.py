@@ -6,6 +6,7 @@ each validated on construction with the key, the value and the allowed values.
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -35,6 +36,11 @@ SCHEDULES = ("cosine", "linear", "constant")
 STRATEGIES = ("auto", "ddp", "fsdp")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
 PROGRESS = ("auto", "rich", "plain", "none")
+
+
+# Settings a saved config may hold that this version no longer has: (section, key). They
+# changed no decision (a warning's wording), so an old repro bundle replays without them.
+RETIRED = (("monitor.activation", "forecast_slowing"),)  # now forecast_slow_steps
 
 
 @dataclass
@@ -286,6 +292,19 @@ class RunConfig:
             model["norm"] = build_dataclass(NormConfig, values.pop("norm"), "norm")
             values["model"] = model
         return cls(**values)
+
+    @classmethod
+    def from_saved(cls, values: dict[str, Any]) -> RunConfig:
+        """``from_dict`` for a config an older version wrote (a repro bundle's): the
+        settings it has since retired (``RETIRED``) are dropped first."""
+        values = copy.deepcopy(values)
+        for section, key in RETIRED:
+            parent, _, child = section.partition(".")
+            node = values.get(parent)
+            node = node.get(child) if isinstance(node, dict) and child else node
+            if isinstance(node, dict):
+                node.pop(key, None)
+        return cls.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
         """The full resolved config, ``norm`` at the top level again (for loggers)."""

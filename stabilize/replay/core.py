@@ -78,7 +78,7 @@ def replay(
     from stabilize.trust import torch_load
 
     meta = check(bundle)
-    cfg = RunConfig.from_dict(meta["config"])
+    cfg = RunConfig.from_saved(meta["config"])  # a bundle of an older version too
     if meta.get("state_sharded"):  # FSDP: the ranks' shards, into one unsharded model
         state = sharded_state(bundle / "state", cfg)
     else:
