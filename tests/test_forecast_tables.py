@@ -40,6 +40,11 @@ def test_the_noise_line_tells_a_random_walk_from_independent_noise():
     for runs, kind in ((walk, 1), (noise, 2)):
         got = _medians(noise_growth(runs, 256.0))
         assert set(got) == {4, 8}
+        for h, (_, walk_ref, iid_ref) in got.items():
+            # by hand: independent noise's h-step difference varies as its 1-step one (1; a
+            # quadratic fit over 24 points takes a little off), a random walk's h times (the
+            # fit absorbs part of the wander, so between 1.5 and h)
+            assert 0.8 < iid_ref < 1.05 and 1.5 < walk_ref < h
         for measured, *refs in got.values():
             # within 15% of its own kind's reference, and nearer it than the other's
             assert abs(measured / refs[kind - 1] - 1) < 0.15

@@ -308,8 +308,10 @@ class ActivationMonitor:
         # natural growth slows with the step (measured: forecast_slow_steps)
         slowed = p.left * (1.0 + self.slow_steps / max(step, 1))
         z = f"{self.forecaster.z:g} sigma"
-        at = math.ceil(p.within)
-        soon = f"within {z} of it now" if p.within < 1 else f"at {z} as soon as {at}"
+        if p.within < 1:
+            soon = f"within {z} of it now"
+        else:
+            soon = f"at {z} as soon as {math.ceil(p.within)}"
         return Event(
             WARN,
             "forecast",
