@@ -1,6 +1,6 @@
 """A fused CPU RMSNorm/ScaleNorm (fp32 statistics), built from C++ (``csrc/cpu_kernels.cpp``,
-shipped in the wheel) with ``torch.utils.cpp_extension.load``; and ``absmax_into``, the
-monitors' one-pass |x| max.
+shipped in the wheel) with ``torch.utils.cpp_extension.load``; ``absmax_into``, the
+monitors' one-pass |x| max; and ``head_norm_max``, the attention bound's per-head row norm.
 
 Why: on CPU, ``F.rms_norm`` is unfused and inductor will not fuse RMSNorm's dgamma column
 reduction into the dx row loop, so the ``compiled`` backend ran ~1.3x ``F.layer_norm`` in
@@ -286,6 +286,23 @@ def absmax_into(x: torch.Tensor, out: torch.Tensor, k: int) -> None:
     with torch.no_grad():
         v = torch.maximum(x.amax(), -x.amin()).to(out.dtype)
         out[k] = torch.maximum(out[k], v)
+
+
+def head_norm_max(x: torch.Tensor) -> torch.Tensor:
+    """Per head, the largest row norm of ``x`` [B, H, T, D] over batch and positions ([H],
+    fp32, NaN if any row is): the attention bound's q / k pass. The kernel on CPU (any
+    strides but a dense last dim, fp32/bf16/fp16, eager, once built: this never builds it)
+    reads x once, a strided view included; elsewhere ``vector_norm(x.float()).amax``."""
+    if (
+        x.is_cpu
+        and x.dim() == 4
+        and x.dtype in DTYPES
+        and x.stride(-1) == 1
+        and not torch.compiler.is_compiling()
+        and (ext := ready(start=False)) is not None
+    ):
+        return ext.head_norm_max(x)
+    return torch.linalg.vector_norm(x.float(), dim=-1).amax(dim=(0, 2))
 
 
 def fused_rms_norm(kind, x, weight, eps, act):

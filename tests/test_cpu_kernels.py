@@ -424,3 +424,38 @@ def test_absmax_into_falls_back_to_torch_ops_without_the_kernel(monkeypatch):
     y[10] = float("nan")
     cpu_kernels.absmax_into(y, out, 1)
     assert math.isnan(out[1].item())
+
+
+# ---- head_norm_max: the attention bound's per-head row norm --------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_norm_max_matches_float64_on_a_strided_view(kernel, dtype):
+    """q as the model makes it: a [B, T, 3C] projection split, viewed [B, H, T, d] (strided)."""
+    g = torch.Generator().manual_seed(7)
+    b, t, h, d = 3, 37, 5, 24
+    qkv = (torch.randn(b, t, 3 * h * d, generator=g) * 40).to(dtype)
+    q = qkv[..., : h * d].view(b, t, h, d).transpose(1, 2)
+    assert not q.is_contiguous()
+    q[2, 3, 11, 5] = -3000.0  # one large row in head 3 of the last sequence
+    expect = q.double().square().sum(-1).sqrt().amax(dim=(0, 2))
+    got = cpu_kernels.head_norm_max(q)
+    assert got.dtype == torch.float32 and got.shape == (h,)
+    torch.testing.assert_close(got.double(), expect, rtol=1e-6, atol=0)
+    assert got.argmax().item() == 3
+    before = torch.get_num_threads()
+    try:  # (b, h) tasks reduced in a fixed order: the same bits on one thread
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.head_norm_max(q), got)
+    finally:
+        torch.set_num_threads(before)
+    q[0, 1, 0, 0] = float("nan")  # NaN wins in its head, the others are untouched
+    nan = cpu_kernels.head_norm_max(q)
+    assert math.isnan(nan[1].item()) and torch.equal(nan[[0, 2, 3, 4]], got[[0, 2, 3, 4]])
+
+
+def test_head_norm_max_falls_back_to_torch_ops_without_the_kernel(monkeypatch):
+    x = torch.randn(2, 3, 9, 8, dtype=torch.float64)  # float64: not the kernel's
+    expect = x.square().sum(-1).sqrt().amax(dim=(0, 2))
+    torch.testing.assert_close(cpu_kernels.head_norm_max(x).double(), expect, rtol=1e-6, atol=0)
+    monkeypatch.setattr(cpu_kernels, "_loaded", [None])  # as if the build had failed
+    y = x.float()
+    torch.testing.assert_close(cpu_kernels.head_norm_max(y).double(), expect, rtol=1e-6, atol=0)

@@ -90,7 +90,7 @@ class Reference(L.Callback):
                 mod = getattr(block.attn, f"{name}_norm")
                 self.handles.append(
                     mod.register_forward_hook(
-                        lambda m, a, out, key=(i, name): self.qk.__setitem__(key, out[0].double())
+                        lambda m, a, out, key=(i, name): self.qk.__setitem__(key, out.double())
                     )
                 )
 
@@ -115,6 +115,8 @@ def _group(name: str) -> str:
 
 
 def test_probe_logit_entropy_grad_and_update_norms_match_float64_on_a_real_step(tmp_path):
+    """log Z, the attention bound (head_norm_max's kernel on CPU), the lowest head entropy,
+    the per-block gradient and update norms, each against float64 on the run's last step."""
     ref = Reference(last=3)
     run(compose_run(tmp_path, [*BASE, "trainer.max_steps=3", "optim.lr=1e-2"]), callbacks=[ref])
     s = ref.stats
@@ -125,7 +127,12 @@ def test_probe_logit_entropy_grad_and_update_norms_match_float64_on_a_real_step(
     assert s.log_z["max"] == pytest.approx(lse.max().item(), rel=1e-5)
     # the lowest head entropy: every row of sequence 0 (T = 32 < ROWS), causal softmax
     for i in range(2):
-        q, k = ref.qk[(i, "q")], ref.qk[(i, "k")]  # [H, T, d]
+        qb, kb = ref.qk[(i, "q")], ref.qk[(i, "k")]  # [B, H, T, d], every sequence
+        # the attention bound: per head max|q| max|k| / sqrt(d) over every sequence and row
+        qn, kn = (x.square().sum(-1).sqrt().amax(dim=(0, 2)) for x in (qb, kb))
+        bound = ((qn * kn).amax() / math.sqrt(qb.shape[-1])).item()
+        assert s.attn_logit[f"h.{i}.attn"] == pytest.approx(bound, rel=1e-5)
+        q, k = qb[0], kb[0]  # [H, T, d]
         t = q.shape[1]
         scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
         scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)

@@ -1,4 +1,4 @@
-// The fused CPU RMSNorm/ScaleNorm (fp32 statistics) and absmax_into, built by
+// The fused CPU RMSNorm/ScaleNorm (fp32 statistics), absmax_into and head_norm_max, built by
 // stabilize/cpu_kernels.py with torch.utils.cpp_extension.load (numerics and portability:
 // that module's docstring). Build it ahead of a run: python -m stabilize.cpu_kernels build
 #include <torch/extension.h>
@@ -352,9 +352,60 @@ void absmax_into(const at::Tensor& x, at::Tensor& out, int64_t k) {
   if (!(*o != *o) && (m != m || m > *o)) *o = m;
 }
 
+// ---- the attention bound's per-head max row norm ----
+// x: [B, H, T, D], any strides but the last (1), fp32/bf16/fp16. out[h] = max over b, t of
+// ||x[b, h, t]||_2, sums of squares in fp32 (16-bit rows widened first), NaN propagated: the
+// attention bound's q and k pass read once, with no [B, H, T] intermediate and no copy of a
+// strided view. Tasks are (b, h) pairs reduced in a fixed order: thread-count independent.
+at::Tensor head_norm_max(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "head_norm_max: [B, H, T, D], last dim dense");
+  const at::ScalarType dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf);
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2);
+  std::vector<float> part(std::max<int64_t>(B * H, 1), 0.f);
+  const char* base = reinterpret_cast<const char*>(x.data_ptr());
+  const int64_t es = x.element_size();
+  at::parallel_for(0, B * H, std::max<int64_t>(1, 32768 / std::max<int64_t>(T * D, 1)),
+                   [&](int64_t p0, int64_t p1) {
+    std::vector<float> buf(dt == at::kFloat ? 0 : D);
+    for (int64_t p = p0; p < p1; ++p) {
+      const char* row = base + ((p / H) * s0 + (p % H) * s1) * es;
+      float m = 0.f;
+      bool nan = false;
+      for (int64_t t = 0; t < T; ++t, row += s2 * es) {
+        const float* r = reinterpret_cast<const float*>(row);
+        if (dt != at::kFloat) {
+          const u16* h = reinterpret_cast<const u16*>(row);
+          if (dt == at::kBFloat16) bf2f(h, buf.data(), D); else h2f(h, buf.data(), D);
+          r = buf.data();
+        }
+        const float s = sumsq(r, D);
+        nan |= s != s;
+        m = s > m ? s : m;
+      }
+      part[p] = nan ? NAN : m;
+    }
+  });
+  at::Tensor out = at::empty({H}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h) {
+    float m = 0.f;
+    bool nan = false;
+    for (int64_t b = 0; b < B; ++b) {
+      const float v = part[b * H + h];
+      nan |= v != v;
+      m = v > m ? v : m;
+    }
+    o[h] = nan ? NAN : std::sqrt(m);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // wrap_pybind_function: a TORCH_CHECK failure is a Python RuntimeError, as load_inline did
   m.def("rms_forward", torch::wrap_pybind_function(rms_forward), "rms_forward");
   m.def("rms_backward", torch::wrap_pybind_function(rms_backward), "rms_backward");
   m.def("absmax_into", torch::wrap_pybind_function(absmax_into), "absmax_into");
+  m.def("head_norm_max", torch::wrap_pybind_function(head_norm_max), "head_norm_max");
 }

@@ -22,7 +22,8 @@ where ``lead`` slots are the caller's (the stability callback writes the step's
 loss, grad norm, loss scale and found-inf flag there: the whole step is then one vector):
 maxima fold in with max (NaN wins), counts with +, across the micro-batches of one optimizer
 step; ``reset()`` starts the next step. On CPU the |x| max is one pass of a C++ kernel
-(``stabilize.cpu_kernels.absmax_into``) written straight into its slot.
+(``stabilize.cpu_kernels.absmax_into``) written straight into its slot, and the attention
+bound's per-head q and k norms one pass each (``head_norm_max``, strided views read in place).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import math
 import torch
 from torch import nn
 
-from stabilize.cpu_kernels import absmax_into
+from stabilize.cpu_kernels import absmax_into, head_norm_max
 from stabilize.lit.param_stats import (
     block_grad_update_norms,
     lowest_head_entropy,
@@ -152,7 +153,7 @@ class StabilityProbe:
             if module.training and not recomputing():  # measured once, not again in backward
                 with torch.no_grad():
                     if self.detailed:
-                        self._q[i] = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))
+                        self._q[i] = head_norm_max(out)
                     if self.logged:
                         self._qs[i] = sampled_queries(out)
 
@@ -164,7 +165,7 @@ class StabilityProbe:
                 return
             with torch.no_grad():
                 if self._q[i] is not None:
-                    kn = torch.linalg.vector_norm(out.float(), dim=-1).amax(dim=(0, 2))  # [H]
+                    kn = head_norm_max(out)  # [H]
                     v = (self._q[i] * kn).amax() / math.sqrt(out.shape[-1])
                     k = self._o_attn + i
                     self.buf[k] = torch.maximum(self.buf[k], v)
