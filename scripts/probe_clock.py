@@ -5,8 +5,9 @@
 Wraps each probe method and forward hook, and the stability callback's hooks, with a
 perf_counter (the run syncs once a step anyway; on CPU nothing is asynchronous) over
 ``--steps`` steps after 20 of warm-up, and prints ms per step for each. Then times the
-attention bound's q pass (``vector_norm(q).amax``) on a q tensor captured from the same
-model, hot and alone, beside the in-run time of the hook that runs it.
+attention bound's q pass (``head_norm_max``) on a q tensor captured from the same
+model, hot and alone (the kernel, and torch's vector_norm it replaced, side by side),
+beside the in-run time of the hook that runs it.
 """
 
 from __future__ import annotations
@@ -71,19 +72,29 @@ class Window(L.Callback):
             ON[0], self.t1 = False, time.perf_counter()
 
 
-def q_alone(cfg, reps: int = 300) -> float:
-    """µs of the q hook's op on a q tensor of the same model and batch, hot, alone."""
+def q_alone(cfg, reps: int = 300) -> dict[str, float]:
+    """µs a call of the q hook's op on a q tensor of the same model and batch (the strided
+    view the hook gets), hot, alone: the kernel (``head_norm_max``) and torch's
+    ``vector_norm(q).amax``, interleaved in rounds so a drift hits both."""
     model = GPT(cfg.model).train()
     got = {}
     model.h[0].attn.q_norm.register_forward_hook(lambda m, a, out: got.setdefault("q", out))
     model(torch.randint(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.model.block_size)))
     q = got["q"].detach()
+    ops = {
+        "head_norm_max": lambda: P.head_norm_max(q),
+        "vector_norm": lambda: torch.linalg.vector_norm(q.float(), dim=-1).amax(dim=(0, 2)),
+    }
+    spent = dict.fromkeys(ops, 0.0)
     with torch.no_grad():
-        torch.linalg.vector_norm(q.float(), dim=-1).amax(dim=(0, 2))
-        t = time.perf_counter()
-        for _ in range(reps):
-            torch.linalg.vector_norm(q.float(), dim=-1).amax(dim=(0, 2))
-    return 1e6 * (time.perf_counter() - t) / reps
+        for _ in range(10):
+            for name, op in ops.items():
+                op()
+                t = time.perf_counter()
+                for _ in range(reps // 10):
+                    op()
+                spent[name] += time.perf_counter() - t
+    return {k: 1e6 * v / (reps // 10 * 10) for k, v in spent.items()}
 
 
 def main() -> int:
@@ -103,7 +114,10 @@ def main() -> int:
     for k, v in sorted(spent.items(), key=lambda t: -t[1]):
         print(f"  {k:36s} {1000 * v / n:7.3f} ms a step ({calls[k]} calls)")
     per_call = 1e6 * spent["_q_hook"] / max(calls["_q_hook"], 1)
-    print(f"q hook: {per_call:.0f} µs a call in the run; its op alone, hot: {q_alone(cfg):.0f} µs")
+    alone = q_alone(cfg)
+    print(f"q hook: {per_call:.0f} µs a call in the run; its op alone, hot: "
+          f"{alone['head_norm_max']:.0f} µs (torch's vector_norm: {alone['vector_norm']:.0f} µs, "
+          f"{alone['vector_norm'] / alone['head_norm_max']:.2f}x)")  # fmt: skip
     return 0
 
 
