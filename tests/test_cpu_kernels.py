@@ -431,20 +431,22 @@ def test_absmax_into_falls_back_to_torch_ops_without_the_kernel(monkeypatch):
 def test_head_norm_max_matches_float64_on_a_strided_view(kernel, dtype):
     """q as the model makes it: a [B, T, 3C] projection split, viewed [B, H, T, d] (strided)."""
     g = torch.Generator().manual_seed(7)
-    b, t, h, d = 3, 37, 5, 24
+    b, t, h, d = 16, 37, 5, 24  # 80 (b, h) tasks: more than one grain (36), so 2 threads split
     qkv = (torch.randn(b, t, 3 * h * d, generator=g) * 40).to(dtype)
     q = qkv[..., : h * d].view(b, t, h, d).transpose(1, 2)
     assert not q.is_contiguous()
-    q[2, 3, 11, 5] = -3000.0  # one large row in head 3 of the last sequence
+    q[9, 3, 11, 5] = -3000.0  # one large row in head 3 of sequence 9
     expect = q.double().square().sum(-1).sqrt().amax(dim=(0, 2))
     got = cpu_kernels.head_norm_max(q)
     assert got.dtype == torch.float32 and got.shape == (h,)
     torch.testing.assert_close(got.double(), expect, rtol=1e-6, atol=0)
     assert got.argmax().item() == 3
     before = torch.get_num_threads()
-    try:  # (b, h) tasks reduced in a fixed order: the same bits on one thread
+    try:  # (b, h) tasks reduced in a fixed order: the same bits on one thread and on two
+        torch.set_num_threads(2)
+        two = cpu_kernels.head_norm_max(q)
         torch.set_num_threads(1)
-        assert torch.equal(cpu_kernels.head_norm_max(q), got)
+        assert torch.equal(cpu_kernels.head_norm_max(q), two)
     finally:
         torch.set_num_threads(before)
     q[0, 1, 0, 0] = float("nan")  # NaN wins in its head, the others are untouched
