@@ -67,6 +67,7 @@ def test_hydra_multirun_gives_each_member_its_dir_and_one_wandb_group(tmp_path):
     assert groups == {"sweep"}
 
 
+@pytest.mark.slow  # ~25 s; the multirun test above keeps the sweep's group in the default suite
 def test_sweep_script_launches_each_member_with_torchrun(tmp_path):
     r = run_cli(
         [
