@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forecast_set import core, holdout, tags, wide  # noqa: E402
+from forecast_set import core, holdout, holdout2, tags, wide  # noqa: E402
 from forecast_tables import score, truth_units  # noqa: E402
 
 import stabilize.monitors.forecast as F  # noqa: E402
@@ -53,10 +53,10 @@ def sqrt_margin(level, slope, sigma, z, horizon, phi=1.0, tau=0.0):
 def true_warnings(scores):
     """(run, group, step, projection, real distance) of every warning followed by its crossing."""
     for s in scores:
-        for (u, step), n in s.estimates.items():
+        for u, step in s.estimates:
             c = s.crossings.get(u)
             if c is not None and step < c <= step + s.horizon:
-                yield s.name, s.group, step, n, c - step
+                yield s.name, s.group, step, s.at_rate[(u, step)], c - step
 
 
 def main() -> int:
@@ -65,7 +65,7 @@ def main() -> int:
     p.add_argument("--sqrt-margin", action="store_true", help="the margin of before")
     a = p.parse_args()
     runs = json.loads(a.runs.read_text())
-    plan = {n: (g, o) for g, n, o in core() + wide() + holdout()}
+    plan = {n: (g, o) for g, n, o in core() + wide() + holdout() + holdout2()}
     in_core, in_hold = {n for _, n, _ in core()}, {n for _, n, _ in holdout()}
     cross = {r["name"]: first_crossings(truth_units(r, 256.0)) for r in runs}
     cfg = ActivationConfig(line="fp16_square")

@@ -75,8 +75,10 @@ def injected(channels: str):  # one outlier channel; all channels (spread growth
     return ("injected", f"drift-ch{channels}", [*drift, f"fault.channels={channels}"])
 
 
-def healthy(place: str = "pre", *extra: str, tag: str = "", fp16: bool = False, lr=2e-3):
-    ov = [f"optim.lr={lr:g}", f"norm.placement={place}", "trainer.max_steps=80", *extra]
+def healthy(
+    place: str = "pre", *extra: str, tag: str = "", fp16: bool = False, lr=2e-3, steps: int = 80
+):
+    ov = [f"optim.lr={lr:g}", f"norm.placement={place}", f"trainer.max_steps={steps}", *extra]
     if fp16:  # the main job's large_eps arm before its drift
         ov += [*FP16, "norm.eps=1e-3"]
         tag = tag or "fp16-eps1e-3"
@@ -135,6 +137,28 @@ def holdout() -> list[tuple[str, str, list[str]]]:
     out += [natural(2e-2, p, 4, *FP16_NATURAL, tag="fp16") for p in ("pre", "post")]
     out += [natural(3e-2, p, 4, f"data.paths=[{CODE}]", "data=local", tag="code")
             for p in ("sandwich", "deepnorm")]  # fmt: skip
+    return out
+
+
+def holdout2() -> list[tuple[str, str, list[str]]]:
+    """A second holdout (``--holdout2``), recorded before the leading slowed distance and the
+    past-the-line rule were chosen (on core + wide + holdout) and scored only after: seeds 6 and
+    7 at LR 2e-2 and 4e-2 on every placement; healthy runs of 400 steps on every placement, of
+    the wide model and of the fp16 recipe (80 steps hold too few for a rate of false warnings
+    per 1,000 steps: one warning is 12.5); the wide model, fp16 reductions, LayerNorm, ScaleNorm
+    and the code corpus on placements and seeds they had not been run with."""
+    out = []
+    for place in ("pre", "post", "sandwich", "deepnorm"):
+        out += [healthy(place, "seed=6", tag="s6-long", steps=400)]
+        out += [natural(lr, place, seed) for seed in (6, 7) for lr in (2e-2, 4e-2)]
+    out += [healthy("deepnorm", *WIDE, "seed=6", tag="w256d6-s6-long", steps=400)]
+    out += [healthy("sandwich", "seed=6", tag="fp16-eps1e-3-s6-long", fp16=True, steps=400)]
+    out += [natural(2e-2, p, 6, *WIDE, tag="w256d6") for p in ("pre", "post")]
+    out += [natural(2e-2, p, 6, *FP16_NATURAL, tag="fp16") for p in ("sandwich", "deepnorm")]
+    out += [natural(3e-2, p, 6, f"norm={n}", tag=n)
+            for p, n in (("post", "layernorm"), ("deepnorm", "scalenorm"))]  # fmt: skip
+    out += [natural(3e-2, p, 6, f"data.paths=[{CODE}]", "data=local", tag="code")
+            for p in ("pre", "post")]  # fmt: skip
     return out
 
 

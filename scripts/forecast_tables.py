@@ -43,7 +43,7 @@ def truth_units(r: dict, threshold: float) -> dict[int, dict]:
 
 def replay(r: dict, cfg: ActivationConfig) -> dict[tuple[str, int], tuple[float, float]]:
     """The forecast warnings the run's monitor logs: (layer, step) -> its two distances
-    ("in ~N steps at this rate, ~M if it slows")."""
+    ("in ~N steps as natural growth slows, ~M at this rate")."""
     mon = ActivationMonitor.from_config("activation", cfg)
     alias = r["alias"]
     out = {}
@@ -52,7 +52,7 @@ def replay(r: dict, cfg: ActivationConfig) -> dict[tuple[str, int], tuple[float,
         d.setdefault("norm_dim", r["dims"])
         for e in mon.update(StepStats(**d)):
             if e.monitor == "forecast" and e.kind == "warn" and e.layer not in alias:
-                out[(e.layer, e.step)] = (e.value, e.extra["if_slowing"])
+                out[(e.layer, e.step)] = (e.value, e.extra["at_this_rate"])
     return out
 
 
@@ -72,7 +72,7 @@ def score(runs: list[dict], cfg: ActivationConfig, crossings: dict) -> list[RunS
         out.append(RunScore(r["name"], r["group"], len(r["steps"]), crossings[r["name"]],
                             list(warned), cfg.horizon, first=cfg.forecast_start,
                             estimates={w: n for w, (n, _) in warned.items()},
-                            slowed={w: m for w, (_, m) in warned.items()},
+                            at_rate={w: m for w, (_, m) in warned.items()},
                             near=near))  # fmt: skip
     return out
 
@@ -82,7 +82,7 @@ def sweep(runs, settings, crossings, part) -> str:
     healthy steps and the estimate's calibration, on each part of the set."""
     names = sorted({part(r) for r in runs})
     rows = ["| setting | " + " | ".join(f"{k} {n}" for n in names for k in
-            ("recall", "precision", "false/1k", "est./real", "slowed/real")) + " |",
+            ("recall", "precision", "false/1k", "est./real", "at rate/real")) + " |",
             "|---|" + "---|" * 5 * len(names)]  # fmt: skip
     for change in SWEEP:
         ss = score(runs, ActivationConfig(**{**settings, **change}), crossings)
@@ -91,7 +91,7 @@ def sweep(runs, settings, crossings, part) -> str:
             m = row_metrics([s for s, r in zip(ss, runs, strict=True) if part(r) == n])
             cells += [fmt(m[k], f) for k, f in (("recall_warnable", ".2f"), ("precision", ".2f"),
                       ("false_per_k", ".1f"), ("calibration", ".2f"),
-                      ("calibration_slowed", ".2f"))]  # fmt: skip
+                      ("calibration_at_rate", ".2f"))]  # fmt: skip
         label = ", ".join(f"{k}={v}" for k, v in change.items()) or "defaults"
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -148,10 +148,16 @@ def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
         if len({t[axis] for t in tag.values()}) > 1:
             out += [f"By {axis} (each row: all of its runs, the healthy ones included):",
                     table(scores, key=lambda s, a=axis: tag[s.name][a])]  # fmt: skip
-    held = [s for s in scores if tag[s.name]["set"] == "holdout"]
-    if held:
-        out += ["By placement, the holdout set alone (not scored while the last change was "
-                "chosen):", table(held, key=lambda s: tag[s.name]["placement"])]  # fmt: skip
+    for part, when in (
+        ("holdout", "the constant margin and forecast_climb were chosen"),
+        ("holdout2", "the leading slowed distance and the past-the-line rule were chosen"),
+    ):
+        held = [s for s in scores if tag[s.name]["set"] == part]
+        if held:
+            out += [
+                f"By placement, the {part} set alone (not scored while {when}):",
+                table(held, key=lambda s: tag[s.name]["placement"]),
+            ]
     if with_sweep:
         out += ["The trade-off (one setting changed from the defaults at a time; core: the "
                 "runs the first settings were chosen on, wide: the runs the constant margin "

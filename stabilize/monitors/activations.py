@@ -60,8 +60,8 @@ class ActivationConfig:
     """Project a slowing rate as slowing (a damped trend: the recent half-window's rate
     against the older half's), so early training's levelling-off is not extrapolated."""
     forecast_slow_steps: float = 6.0
-    """The warning gives two distances: ~N steps at the current rate (the projection, the
-    event's value) and ~N x (1 + this / step) if the growth slows as natural growth does:
+    """The warning gives two distances: ~N x (1 + this / step), as natural growth slows (the
+    one it leads with, the event's value), and ~N steps at the current rate (the projection):
     early in training it slows with the step (on the eval's natural runs the real distance
     was 2.0x the projection's for warnings up to step 8, 1.4x at steps 9-20, 1.2x later),
     and 6 is the value that calibrates the core set's (5.8; docs/forecast.md). A steady
@@ -278,6 +278,10 @@ class ActivationMonitor:
         horizon, on whichever of its lines comes first (either overflows a 16-bit reduction
         of that tensor); ``self.forecast``: steps left per layer (the nearer line)."""
         lines = self._lines(stats)
+        # a layer measured at or past one of its lines this step (an overflowed statistic is
+        # inf) has crossed: that is the news, not a forecast. The fitted level lags the
+        # measurement, so without this a layer could be warned of a crossing it had made.
+        past = {layer for (layer, _), (v, line) in lines.items() if not v < line}
         by_layer: dict[str, list[tuple[str, Projection]]] = {}
         for (layer, kind), p in self.forecaster.update(lines).items():
             by_layer.setdefault(layer, []).append((kind, p))
@@ -285,7 +289,7 @@ class ActivationMonitor:
         events = []
         for layer, ps in by_layer.items():
             self.forecast[layer] = min(p.left for _, p in ps)
-            if any(p.level >= 0 for _, p in ps):
+            if layer in past or any(p.level >= 0 for _, p in ps):
                 continue  # already past a line: the crossing itself is the news
             sig = [(p.within, kind, p) for kind, p in ps if p.significant]
             if not sig:
@@ -305,7 +309,10 @@ class ActivationMonitor:
     def _event(self, step, layer, kind, value, line, p: Projection) -> Event:
         what = "|x| max" if kind == "abs" else "largest row RMS"
         why = "an fp16 square overflows" if kind == "abs" else "the fp16 sum of squares overflows"
-        # natural growth slows with the step (measured: forecast_slow_steps)
+        # The distance the warning leads with (its value) is the calibrated one: natural
+        # growth slows with the step (forecast_slow_steps), so the projection at the current
+        # rate alone comes ~2x early in the first steps (docs/forecast.md). The projection is
+        # still given: a steady drift arrives at it.
         slowed = p.left * (1.0 + self.slow_steps / max(step, 1))
         z = f"{self.forecaster.z:g} sigma"
         if p.within < 1:
@@ -317,17 +324,17 @@ class ActivationMonitor:
             "forecast",
             step,
             f"{layer}: {what} {value:.4g} rising x{math.exp(p.slope):.3f}/step (noise "
-            f"x{math.exp(p.sigma):.3f}); crosses {line:.4g} ({why}) in ~{p.left:.0f} steps at "
-            f"this rate, ~{slowed:.0f} if it slows as natural growth does ({soon})",
+            f"x{math.exp(p.sigma):.3f}); crosses {line:.4g} ({why}) in ~{slowed:.0f} steps "
+            f"as natural growth slows, ~{p.left:.0f} at this rate ({soon})",
             layer=layer,
-            value=p.left,
+            value=slowed,
             threshold=float(self.horizon),
             extra={
                 "line": kind,
                 "limit": line,
                 "within": p.within,
                 "sigma": p.sigma,
-                "if_slowing": slowed,
+                "at_this_rate": p.left,
             },  # fmt: skip
         )
 

@@ -13,9 +13,10 @@ the warnings are the ``forecast`` events, one per layer and approach. Scores:
   the warnings whose horizon the run covers (a warning not followed by a crossing before the
   run ended, with its horizon reaching past the end, is *undetermined*: counted apart);
 - *lead*: steps from a crossing's first timely warning to the crossing;
-- *calibration*: the warning's own estimate ("crosses ... in ~N steps at this rate") over
-  the real distance to the crossing, per true warning (its median should be near 1); and
-  the same for its second estimate ("~M if it slows as natural growth does");
+- *calibration*: the distance the warning leads with ("crosses ... in ~N steps as natural
+  growth slows", the event's value) over the real distance to the crossing, per true
+  warning (its median should be near 1); and the same for its second one, the projection
+  at the current rate ("~M at this rate");
 - *false warnings per 1,000 healthy steps*: every warning in the runs labelled ``healthy``;
 - *near misses*: warnings not followed by a crossing whose layer still rose past ``NEAR``
   (half) of its line within the horizon: shown apart (a run that came within 2x of an fp16
@@ -59,9 +60,9 @@ class RunScore:
     true_warnings: int = 0
     undetermined: int = 0  # not followed by a crossing, but the run ended within the horizon
     estimates: dict[tuple[Unit, int], float] = field(default_factory=dict)  # warning -> ~N
-    slowed: dict[tuple[Unit, int], float] = field(default_factory=dict)  # warning -> ~M
+    at_rate: dict[tuple[Unit, int], float] = field(default_factory=dict)  # warning -> ~M
     ratios: list[float] = field(default_factory=list)  # estimate / real distance, true ones
-    slowed_ratios: list[float] = field(default_factory=list)
+    at_rate_ratios: list[float] = field(default_factory=list)
     near: set[tuple[Unit, int]] = field(default_factory=set)  # warnings whose layer rose
     # past NEAR of its line within the horizon (given by the caller, from the truth)
     near_misses: int = 0  # warnings in ``near`` not followed by a crossing
@@ -73,8 +74,8 @@ class RunScore:
                 self.true_warnings += 1
                 if (unit, step) in self.estimates:
                     self.ratios.append(self.estimates[(unit, step)] / (c - step))
-                if (unit, step) in self.slowed:
-                    self.slowed_ratios.append(self.slowed[(unit, step)] / (c - step))
+                if (unit, step) in self.at_rate:
+                    self.at_rate_ratios.append(self.at_rate[(unit, step)] / (c - step))
                 lead = c - step
                 if lead >= self.lead_min:
                     self.timely[unit] = max(self.timely.get(unit, 0), lead)
@@ -109,7 +110,7 @@ def table(scores: list[RunScore], key=None, total: str | None = "all but healthy
         "| set | runs | steps | crossings | warned >= 5 ahead | recall | warnable crossings "
         "| recall (warnable) | warnings | followed by a crossing | undetermined | precision "
         "| (undetermined as false) | median lead | median estimate / real distance "
-        "| the same, if slowing | false warnings / 1k healthy steps | near misses "
+        "| the same, at this rate | false warnings / 1k healthy steps | near misses "
         "| the same, near misses apart |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -120,7 +121,7 @@ def table(scores: list[RunScore], key=None, total: str | None = "all but healthy
             f"| {fmt(m['recall'])} | {m['warnable']} | {fmt(m['recall_warnable'])} "
             f"| {m['warnings']} | {m['true']} | {m['undetermined']} | {fmt(m['precision'])} "
             f"| {fmt(m['precision_strict'])} | {fmt(m['lead'], '.1f')} "
-            f"| {fmt(m['calibration'])} | {fmt(m['calibration_slowed'])} "
+            f"| {fmt(m['calibration'])} | {fmt(m['calibration_at_rate'])} "
             f"| {fmt(m['false_per_k'], '.1f')} | {m['near']} | {fmt(m['false_per_k_far'], '.1f')} |"
         )
     return "\n".join(rows)
@@ -137,7 +138,7 @@ def row_metrics(ss: list[RunScore]) -> dict[str, float | int | None]:
     n_able_ok = sum(len(s.warnable & set(s.timely)) for s in ss)
     leads = [lead for s in ss for lead in s.timely.values()]
     ratios = [r for s in ss for r in s.ratios]
-    slowed = [r for s in ss for r in s.slowed_ratios]
+    at_rate = [r for s in ss for r in s.at_rate_ratios]
     # every warning in a healthy run is a false one (the undetermined included)
     false = sum(len(s.warnings) for s in ss if s.group == "healthy")
     near_healthy = sum(s.near_misses for s in ss if s.group == "healthy")
@@ -156,7 +157,7 @@ def row_metrics(ss: list[RunScore]) -> dict[str, float | int | None]:
         "precision_strict": _div(n_true, n_warn),
         "lead": statistics.median(leads) if leads else None,
         "calibration": statistics.median(ratios) if ratios else None,
-        "calibration_slowed": statistics.median(slowed) if slowed else None,
+        "calibration_at_rate": statistics.median(at_rate) if at_rate else None,
         "false_per_k": _div(1000 * false, healthy_steps),
         "near": sum(s.near_misses for s in ss),
         "false_per_k_far": _div(1000 * (false - near_healthy), healthy_steps),
