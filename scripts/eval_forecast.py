@@ -50,7 +50,17 @@ from stabilize.norms import Norm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docblock import commit, cpu, replace_block  # noqa: E402
-from forecast_set import BASE, CODE, code_corpus, core, holdout, holdout2, tags, wide  # noqa: E402
+from forecast_set import (  # noqa: E402
+    BASE,
+    CODE,
+    code_corpus,
+    core,
+    holdout,
+    holdout2,
+    holdout3,
+    tags,
+    wide,
+)  # noqa: E402
 from forecast_tables import report, score, truth_units  # noqa: E402
 
 
@@ -147,6 +157,9 @@ def main(argv=None) -> int:
     p.add_argument("--holdout2", action="store_true", help="also the second holdout "
                    "(forecast_set.holdout2: recorded before, scored after, the change that "
                    "followed the first holdout; long healthy runs)")  # fmt: skip
+    p.add_argument("--holdout3", action="store_true", help="also the third holdout "
+                   "(forecast_set.holdout3: recorded before, scored after, the expiring "
+                   "warning)")  # fmt: skip
     p.add_argument("--load", type=Path, help="score runs recorded by --save; no training")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a monitor.activation setting for the forecast (repeatable)")  # fmt: skip
@@ -169,15 +182,19 @@ def main(argv=None) -> int:
     plan = core(args.quick) + ([] if args.quick or args.core else wide())
     plan += holdout() if args.holdout else []
     plan += holdout2() if args.holdout2 else []
+    plan += holdout3() if args.holdout3 else []
     in_core = {name for _, name, _ in core()}
     in_holdout = {name for _, name, _ in holdout()}
     in_holdout2 = {name for _, name, _ in holdout2()}
+    in_holdout3 = {name for _, name, _ in holdout3()}
     if args.load:
         runs = json.loads(args.load.read_text())
         if not args.holdout:  # scored only when asked for (--holdout, --holdout2)
             runs = [r for r in runs if r["name"] not in in_holdout]
         if not args.holdout2:
             runs = [r for r in runs if r["name"] not in in_holdout2]
+        if not args.holdout3:
+            runs = [r for r in runs if r["name"] not in in_holdout3]
     else:
         # a --save file from an interrupted set: its finished runs are kept, not rerun
         runs = json.loads(args.save.read_text()) if args.save and args.save.exists() else []
@@ -195,7 +212,8 @@ def main(argv=None) -> int:
     tag = {r["name"]: {**r.get("tags", tags(ovs.get(r["name"], []))),
                        "set": "core" if r["name"] in in_core
                        else "holdout" if r["name"] in in_holdout
-                       else "holdout2" if r["name"] in in_holdout2 else "wide"}
+                       else "holdout2" if r["name"] in in_holdout2
+                       else "holdout3" if r["name"] in in_holdout3 else "wide"}
            for r in runs}  # fmt: skip
     crossings = {r["name"]: first_crossings(truth_units(r, cfg.threshold)) for r in runs}
     text, misses = report(runs, settings, tag, crossings, args.sweep, time.time() - t0)

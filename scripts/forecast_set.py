@@ -162,6 +162,22 @@ def holdout2() -> list[tuple[str, str, list[str]]]:
     return out
 
 
+def holdout3() -> list[tuple[str, str, list[str]]]:
+    """A third holdout (``--holdout3``), recorded before a warning whose horizon passed could
+    be given again (a rule found on holdout2's long run) and scored only after: seeds 8 and 9
+    at LR 1.2e-2 and 3.5e-2 on every placement; 400-step healthy runs of the wide model
+    (post, sandwich) and of the tiny one; the wide model and fp16 reductions on other seeds."""
+    out = []
+    for place in ("pre", "post", "sandwich", "deepnorm"):
+        out += [natural(lr, place, seed) for seed in (8, 9) for lr in (1.2e-2, 3.5e-2)]
+    for place in ("post", "sandwich"):
+        out += [healthy(place, *WIDE, "seed=8", tag="w256d6-s8-long", steps=400)]
+    out += [healthy("pre", "seed=8", tag="s8-long", lr=3e-3, steps=400)]
+    out += [natural(1.2e-2, p, 8, *WIDE, tag="w256d6") for p in ("post", "sandwich")]
+    out += [natural(2e-2, p, 8, *FP16_NATURAL, tag="fp16") for p in ("pre", "deepnorm")]
+    return out
+
+
 def tags(overrides: list[str]) -> dict[str, str]:
     """The axes a run sits on, read from its overrides (BASE's values where it has none)."""
     kv = dict(o.split("=", 1) for o in overrides)

@@ -185,6 +185,27 @@ def test_a_layer_measured_past_a_line_is_not_warned_of_that_crossing():
     assert got == []
 
 
+def test_a_warning_whose_horizon_passed_is_given_again_when_the_crossing_nears():
+    """Once per approach, but a warning expires with its horizon: a climb (x1.15/step) that
+    slows to x1.01 for 45 steps, then climbs again, is warned first far ahead (its horizon
+    passes with no crossing) and warned again 5-40 steps before the real crossing; state
+    round-trips across the gap."""
+    rng = np.random.default_rng(0)
+    rates = [1.15] * 20 + [1.01] * 45 + [1.15] * 40
+    v = np.exp(math.log(2.0) + np.cumsum(np.log(rates)) + 0.005 * rng.standard_normal(105))
+    c = crossing(v, 256.0)
+    mon = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square"))
+    warned = run_monitor(mon, abs_vals=v[:40])
+    again = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square"))
+    again.load_state_dict(json.loads(json.dumps(mon.state_dict())))
+    later = [e.step for i in range(40, len(v)) for e in again.update(
+        StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(v[i])})
+    ) if e.monitor == "forecast"]  # fmt: skip
+    steps = [s for s in [s for s, _ in warned] + later if s < c]
+    assert len(steps) == 2 and c - steps[0] > 40  # the first warning expired unfulfilled
+    assert steps[1] - steps[0] >= 40 and 5 <= c - steps[1] <= 40
+
+
 def test_forecaster_state_round_trips_mid_series():
     v = series(30, 2.0, 1.2, 0.03)
     a, b = LineForecaster(), LineForecaster()

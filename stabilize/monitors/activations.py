@@ -200,7 +200,9 @@ class ActivationMonitor:
         )
         self.above: set[str] = set()  # layers currently past the line (warn once per crossing)
         self.forecast: dict[str, float] = {}  # layer -> steps left (inf: not rising)
-        self.forecast_warned: set[str] = set()  # layers warned: once per approach
+        # layer -> the step it was warned at: once per approach, and again once that
+        # warning's horizon has passed with no crossing (it has expired)
+        self.forecast_warned: dict[str, int] = {}
         self._rms_line: dict[int, float] = {}  # D -> 255.94 / sqrt(D)
         self.confirm, self.slow_steps = confirm, slow_steps
         self._streak: dict[str, int] = {}  # layer -> consecutive steps with a significant crossing
@@ -295,12 +297,15 @@ class ActivationMonitor:
             if not sig:
                 self._streak.pop(layer, None)
                 if all(p.slope <= 0 for _, p in ps):  # the approach is over
-                    self.forecast_warned.discard(layer)
+                    self.forecast_warned.pop(layer, None)
                 continue
             self._streak[layer] = self._streak.get(layer, 0) + 1
-            if layer in self.forecast_warned or self._streak[layer] < self.confirm:
+            warned = self.forecast_warned.get(layer)
+            if (warned is not None and step - warned < self.horizon) or (
+                self._streak[layer] < self.confirm
+            ):
                 continue
-            self.forecast_warned.add(layer)
+            self.forecast_warned[layer] = step
             _, kind, p = min(sig, key=lambda t: t[0])
             value, line = lines[(layer, kind)]
             events.append(self._event(step, layer, kind, value, line, p))
@@ -342,11 +347,14 @@ class ActivationMonitor:
         return {
             "forecaster": self.forecaster.state_dict(),
             "above": sorted(self.above),
-            "forecast_warned": sorted(self.forecast_warned),
+            "forecast_warned": dict(sorted(self.forecast_warned.items())),
         }
 
     def load_state_dict(self, state: dict) -> None:
         if "forecaster" in state:  # an older checkpoint kept a "history": the
             self.forecaster.load_state_dict(state["forecaster"])  # forecast restarts instead
         self.above = set(state["above"])
-        self.forecast_warned = set(state["forecast_warned"])
+        warned = state["forecast_warned"]
+        if isinstance(warned, list):  # an older checkpoint: the layers alone; as then, they
+            warned = dict.fromkeys(warned, 2**62)  # stay warned until their approach ends
+        self.forecast_warned = {k: int(v) for k, v in warned.items()}
