@@ -137,6 +137,25 @@ def noise_growth(runs: list[dict], threshold: float, seg: int = 24, skip: int = 
             "crossing): " + ("; ".join(parts) or "no segment long enough") + ".")  # fmt: skip
 
 
+def recall_by_step(scores: list[RunScore], key, early: int) -> str:
+    """Warnable recall split by when the crossing came: at steps up to ``early`` (warned 5
+    ahead means warned from the first few points a forecast has) and after it."""
+    rows = [
+        f"| set | warnable crossings | at steps <= {early} | warned >= 5 ahead | recall "
+        "| after | warned >= 5 ahead | recall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for k in sorted({key(s) for s in scores}):
+        ss = [s for s in scores if key(s) == k]
+        parts = []
+        for late in (False, True):
+            us = [(s, u) for s in ss for u in s.warnable if (s.crossings[u] > early) == late]
+            ok = sum(u in s.timely for s, u in us)
+            parts += [str(len(us)), str(ok), fmt(ok / len(us) if us else None)]
+        rows.append(f"| {k} | {sum(len(s.warnable) for s in ss)} | " + " | ".join(parts) + " |")
+    return "\n".join(rows)
+
+
 def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
     """The printed text, and the targets missed (one line each)."""
     cfg = ActivationConfig(**settings)
@@ -158,6 +177,15 @@ def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
                 f"By placement, the {part} set alone (not scored while {when}):",
                 table(held, key=lambda s: tag[s.name]["placement"]),
             ]
+    early = cfg.forecast_start + 8
+    first = cfg.forecast_start
+    for axis in ("placement", "precision"):
+        out += [
+            f"Warnable recall by {axis}, crossings at steps {first + 5}-{early} (a 5-step lead "
+            f"there means a warning from the forecast's first {first}-{first + 3} points) apart "
+            "from later ones (all runs):",
+            recall_by_step(scores, lambda s, a=axis: tag[s.name][a], early),
+        ]
     if with_sweep:
         out += ["The trade-off (one setting changed from the defaults at a time; core: the "
                 "runs the first settings were chosen on, wide: the runs the constant margin "

@@ -13,7 +13,7 @@ import numpy as np
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from forecast_tables import near_warnings, noise_growth  # noqa: E402
+from forecast_tables import near_warnings, noise_growth, recall_by_step  # noqa: E402
 
 
 def _run(logs: list[np.ndarray]) -> dict:
@@ -60,3 +60,19 @@ def test_a_near_miss_is_a_rise_past_half_the_line_within_the_horizon_by_hand():
     # h.0 at 2: step 12 (0.6) is within 10 steps; at 12: only later steps count (0.2)
     assert near_warnings(r, warned, horizon=10, threshold=256.0) == {("h.0", 2)}
     assert near_warnings(r, warned, horizon=9, threshold=256.0) == set()  # 12 > 2 + 9
+
+
+def test_recall_by_step_splits_early_crossings_from_later_ones_by_hand():
+    """Crossings at steps first+5 .. first+8 and later ones, counted apart: three runs whose
+    crossings and warnings are set by hand (first forecast at step 4, so 9-12 is early)."""
+    from stabilize.monitors.forecast_score import RunScore
+
+    a = RunScore("a", "natural", 40, {"x": 9, "y": 20}, [("x", 4), ("y", 10)], 40, first=4)
+    b = RunScore("b", "natural", 40, {"x": 12, "y": 30}, [("x", 9), ("y", 29)], 40, first=4)
+    c = RunScore("c", "natural", 40, {"x": 8}, [("x", 2)], 40, first=4)  # not warnable
+    text = recall_by_step([a, b, c], key=lambda s: "all", early=12)
+    # early: a.x (lead 5: timely), b.x (lead 3: not); later: a.y (lead 10), b.y (lead 1)
+    assert text.splitlines()[-1] == "| all | 4 | 2 | 1 | 0.50 | 2 | 1 | 0.50 |"
+    text = recall_by_step([a, b], key=lambda s: s.name, early=12)
+    assert text.splitlines()[-2:] == ["| a | 2 | 1 | 1 | 1.00 | 1 | 1 | 1.00 |",
+                                      "| b | 2 | 1 | 0 | 0.00 | 1 | 0 | 0.00 |"]  # fmt: skip
