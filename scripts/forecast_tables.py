@@ -190,7 +190,9 @@ def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
     if with_sweep:
         out += ["The trade-off (one setting changed from the defaults at a time; core: the "
                 "runs the first settings were chosen on, wide: the runs the constant margin "
-                "and forecast_climb were chosen on, holdout: scored only after that):",
+                "and forecast_climb were chosen on; holdout, holdout2, holdout3: each scored "
+                "only after one change, chosen on the sets before it, was committed; a "
+                "setting's row is not out of sample on any set):",
                 sweep(runs, settings, crossings, lambda r: tag[r["name"]]["set"])]  # fmt: skip
     out.append(noise_growth(runs, cfg.threshold))
     out.append(f"Warnable: crossings at step >= {cfg.forecast_start + 5} (the first forecast is "
