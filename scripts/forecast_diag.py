@@ -24,11 +24,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forecast_set import core, holdout, holdout2, tags, wide  # noqa: E402
+from forecast_set import core, holdout, holdout2, holdout3, tags, wide  # noqa: E402
 from forecast_tables import score, truth_units  # noqa: E402
 
 import stabilize.monitors.forecast as F  # noqa: E402
-from stabilize.monitors.activations import ActivationConfig  # noqa: E402
+from stabilize.monitors.activations import ActivationConfig, ActivationMonitor  # noqa: E402
+from stabilize.monitors.events import StepStats  # noqa: E402
 from stabilize.monitors.forecast_score import first_crossings, row_metrics  # noqa: E402
 
 RANGES = (("steps <= 8", 0, 8), ("steps 9-20", 9, 20), ("steps > 20", 21, 10**9))
@@ -50,6 +51,37 @@ def sqrt_margin(level, slope, sigma, z, horizon, phi=1.0, tau=0.0):
     return float(h[hit[0]]) if hit.size else math.inf
 
 
+def at_lead(r: dict, layer: str, step: int, cfg: ActivationConfig) -> str:
+    """Each of a layer's lines as the forecast saw it at ``step`` (5 ahead of a crossing):
+    the fraction of the line, the slope and noise (log, a step), and the slope's lower bound
+    z standard errors down over the n points fitted (below 0: no significant rise)."""
+    mon = ActivationMonitor.from_config("activation", cfg)
+    seen: dict = {}
+    update = mon.forecaster.update
+
+    def spy(values):
+        out = update(values)
+        seen.update(out)
+        return out
+
+    mon.forecaster.update = spy
+    for st in r["steps"]:
+        d = dict(st["stats"])
+        if d["step"] > step:
+            break
+        seen.clear()
+        mon.update(StepStats(**{**d, "norm_dim": d.get("norm_dim") or r["dims"]}))
+    parts = []
+    for (lay, kind), p in sorted(seen.items()):
+        if lay != layer:
+            continue
+        n = min(mon.forecaster.seen[(lay, kind)], mon.forecaster.window)
+        low = p.slope - cfg.forecast_z * p.sigma * math.sqrt(12.0 / (n**3 - n))
+        parts.append(f"{kind} at {math.exp(p.level):.2f} of its line, slope {p.slope:.2f}, "
+                     f"noise {p.sigma:.2f}, lower slope {low:.2f} ({n} points)")  # fmt: skip
+    return f"at step {step}: " + ("; ".join(parts) or "no forecast yet")
+
+
 def true_warnings(scores):
     """(run, group, step, projection, real distance) of every warning followed by its crossing."""
     for s in scores:
@@ -65,9 +97,10 @@ def main() -> int:
     p.add_argument("--sqrt-margin", action="store_true", help="the margin of before")
     a = p.parse_args()
     runs = json.loads(a.runs.read_text())
-    plan = {n: (g, o) for g, n, o in core() + wide() + holdout() + holdout2()}
+    plan = {n: (g, o) for g, n, o in core() + wide() + holdout() + holdout2() + holdout3()}
     in_core, in_hold = {n for _, n, _ in core()}, {n for _, n, _ in holdout()}
     cross = {r["name"]: first_crossings(truth_units(r, 256.0)) for r in runs}
+    runs_by = {r["name"]: r for r in runs}
     cfg = ActivationConfig(line="fp16_square")
     scores = score(runs, cfg, cross)
     tw = list(true_warnings(scores))
@@ -96,7 +129,8 @@ def main() -> int:
         for u, c in sorted(s.crossings.items(), key=lambda t: t[1]):
             if u in s.warnable and u not in s.timely:
                 before = [st for lay, st in s.warnings if lay == u and st < c]
-                print(f"  {s.name}: {u} at {c}; warned at {before}")
+                print(f"  {s.name}: {u} at {c}; warned at {before}; "
+                      + at_lead(runs_by[s.name], u, c - 5, cfg))  # fmt: skip
     print("fp16 reductions: each run's first overflow and the first warning before it:")
     for s in scores:
         if tags(plan[s.name][1])["precision"] != "fp16 reduction" or not s.crossings:
