@@ -278,7 +278,9 @@ class ActivationMonitor:
     def _forecast(self, step: int, stats: StepStats) -> list[Event]:
         """Warn once per approach for each layer with a crossing significant within the
         horizon, on whichever of its lines comes first (either overflows a 16-bit reduction
-        of that tensor); ``self.forecast``: steps left per layer (the nearer line)."""
+        of that tensor), and again once a warning's horizon has passed with no crossing (it
+        expired: holdout2's wide DeepNorm run, docs/forecast.md); ``self.forecast``: steps
+        left per layer (the nearer line)."""
         lines = self._lines(stats)
         # a layer measured at or past one of its lines this step (an overflowed statistic is
         # inf) has crossed: that is the news, not a forecast. The fitted level lags the
