@@ -51,7 +51,7 @@ from stabilize.norms import Norm  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docblock import commit, cpu, replace_block  # noqa: E402
 from forecast_set import BASE, CODE, code_corpus, core, holdout, holdout2, holdout3, tags, wide  # noqa: E402  # noqa: E402
-from forecast_tables import report, score, truth_units  # noqa: E402
+from forecast_tables import relabel_crossed, report, score, truth_units  # noqa: E402
 
 # the holdouts, each recorded before and scored after one change (scripts/forecast_set.py)
 HOLDOUTS = {"holdout": holdout, "holdout2": holdout2, "holdout3": holdout3}
@@ -199,10 +199,7 @@ def main(argv=None) -> int:
                        else next((k for k in held if r["name"] in held[k]), "wide")}
            for r in runs}  # fmt: skip
     crossings = {r["name"]: first_crossings(truth_units(r, cfg.threshold)) for r in runs}
-    # a run labelled healthy whose float64 truth crossed a line is not healthy: scored as
-    # natural, so that its warnings followed by the crossing count as true, not false
-    moved = sorted(r["name"] for r in runs if r["group"] == "healthy" and crossings[r["name"]])
-    runs = [{**r, "group": "natural"} if r["name"] in moved else r for r in runs]
+    runs, moved = relabel_crossed(runs, crossings)
     text, misses = report(runs, settings, tag, crossings, args.sweep, time.time() - t0)
     if moved:
         first = {n: min(crossings[n].values()) for n in moved}

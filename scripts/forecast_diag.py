@@ -6,6 +6,7 @@
   warnings, and ``forecast_slow_steps`` fitted on the core set's natural runs alone;
 - every missed warnable crossing of a DeepNorm run, with the warnings that came before it;
 - the first overflow of each fp16-reduction run and how far ahead it was warned;
+- every healthy run's warnings and how near its layers came to the line;
 - the holdout's scores with and without ``forecast_climb``, and where the healthy runs'
   warnings came; ``--sqrt-margin`` scores them with the pessimistic path of before (z sigma
   sqrt(h), commit 8688c11) in its place.
@@ -25,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from forecast_set import core, holdout, holdout2, holdout3, tags, wide  # noqa: E402
-from forecast_tables import score, truth_units  # noqa: E402
+from forecast_tables import relabel_crossed, score, truth_units  # noqa: E402
 
 import stabilize.monitors.forecast as F  # noqa: E402
 from stabilize.monitors.activations import ActivationConfig, ActivationMonitor  # noqa: E402
@@ -141,6 +142,17 @@ def main() -> int:
                                                    else "not warned"))  # fmt: skip
     if a.sqrt_margin:
         F.first_significant = sqrt_margin
+    print(
+        "healthy runs (a run that crossed is natural, as eval_forecast scores it): steps, "
+        "warnings, near misses, the highest any layer rose (fraction of its line):"
+    )
+    for s, r in zip(score(relabel_crossed(runs, cross)[0], cfg, cross), runs, strict=True):
+        if s.group == "healthy":
+            top = max(v for st in truth_units(r, 256.0).values() for v, _ in st.values())
+            print(
+                f"  {s.name}: {s.steps} steps, {len(s.warnings)} warnings "
+                f"{sorted({w for _, w in s.warnings})}, {s.near_misses} near, {top:.2f}"
+            )
     print("holdout" + (" (the margin of before)" if a.sqrt_margin else "") + ":")
     for climb in (1.0, 0.0):
         ss = score(runs, ActivationConfig(line="fp16_square", forecast_climb=climb), cross)

@@ -56,6 +56,14 @@ def replay(r: dict, cfg: ActivationConfig) -> dict[tuple[str, int], tuple[float,
     return out
 
 
+def relabel_crossed(runs: list[dict], crossings: dict) -> tuple[list[dict], list[str]]:
+    """A run labelled healthy whose float64 truth crossed a line is not healthy: it is scored
+    as natural, so that its warnings followed by the crossing count as true, not false.
+    Returns the runs and the names moved."""
+    moved = sorted(r["name"] for r in runs if r["group"] == "healthy" and crossings[r["name"]])
+    return [{**r, "group": "natural"} if r["name"] in moved else r for r in runs], moved
+
+
 def near_warnings(r: dict, warned, horizon: int, threshold: float) -> set:
     """The warnings whose layer rose past NEAR of its line within the horizon (float64)."""
     truth = truth_units(r, threshold)

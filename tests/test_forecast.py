@@ -206,6 +206,26 @@ def test_a_warning_whose_horizon_passed_is_given_again_when_the_crossing_nears()
     assert steps[1] - steps[0] >= 40 and 5 <= c - steps[1] <= 40
 
 
+def test_an_older_checkpoints_warned_layers_stay_warned_until_their_approach_ends():
+    """Before warnings expired, the state held the warned layers as a list: loaded, they stay
+    warned on the same steady climb (x1.08/step: warned at step 34, crosses at 65), as they
+    did then; the same state read as warned long ago would warn again."""
+    v = series(100, 2.0, 1.08, 0.03, 1)
+    mon = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square"))
+    assert run_monitor(mon, abs_vals=v[:40])  # warned within the first 40 steps
+    state = mon.state_dict()
+
+    def resumed(warned):
+        m = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square"))
+        m.load_state_dict({**state, "forecast_warned": warned})
+        return [e.step for i in range(40, 60) for e in m.update(
+            StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(v[i])})
+        ) if e.monitor == "forecast"]  # fmt: skip
+
+    assert resumed(sorted(state["forecast_warned"])) == []  # the old format
+    assert resumed({"h.1.ln_1": 0}) == [41]  # expired: warned again at once
+
+
 def test_forecaster_state_round_trips_mid_series():
     v = series(30, 2.0, 1.2, 0.03)
     a, b = LineForecaster(), LineForecaster()

@@ -76,3 +76,14 @@ def test_recall_by_step_splits_early_crossings_from_later_ones_by_hand():
     text = recall_by_step([a, b], key=lambda s: s.name, early=12)
     assert text.splitlines()[-2:] == ["| a | 2 | 1 | 1 | 1.00 | 1 | 1 | 1.00 |",
                                       "| b | 2 | 1 | 0 | 0.00 | 1 | 0 | 0.00 |"]  # fmt: skip
+
+
+def test_a_healthy_labelled_run_that_crossed_is_scored_as_natural():
+    """Only a run labelled healthy whose truth crossed a line moves; the input is not changed."""
+    from forecast_tables import relabel_crossed
+
+    runs = [{"name": "h0", "group": "healthy"}, {"name": "h1", "group": "healthy"},
+            {"name": "n0", "group": "natural"}]  # fmt: skip
+    got, moved = relabel_crossed(runs, {"h0": {}, "h1": {"h.0": 49}, "n0": {"h.0": 9}})
+    assert moved == ["h1"] and [r["group"] for r in got] == ["healthy", "natural", "natural"]
+    assert runs[1]["group"] == "healthy"
