@@ -9,8 +9,12 @@ when it has one (``data.val_paths``, a hub dataset's ``validation`` split), and
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
+import json
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,7 +155,67 @@ def _load_files(cfg: DataConfig, paths: list[str], key: str) -> datasets.Dataset
                 "allowed: the file's own encoding (e.g. data.encoding=latin-1), or fix the "
                 f"file (re-encode it as {cfg.encoding})"
             )
-    return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+    try:  # datasets logs its reader's failure itself: quiet, the error below says it all
+        with _datasets_log(logging.CRITICAL):
+            return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+    except datasets.exceptions.DatasetGenerationError as e:
+        # datasets' message names neither the file nor the line (issue 34 item 8): find it
+        found = (bad_json(p, cfg.encoding) for p in files) if builder == "json" else ()
+        where = next(filter(None, found), None)
+        if where is None:  # not a line we can name: the reader's own reason, on one line
+            cause = e.__cause__ or e
+            why = (str(cause).splitlines() or [""])[0][:200]
+            where = f"the {builder} files cannot be read ({type(cause).__name__}: {why})"
+        raise ConfigError(
+            f"{key}={paths!r} is not allowed: {where}; allowed: files that parse as "
+            f"{builder} (JSON Lines: one JSON object per line), fixed or left out"
+        ) from None
+
+
+@contextlib.contextmanager
+def _datasets_log(level: int) -> Iterator[None]:
+    logger = logging.getLogger("datasets")
+    was = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(was)
+
+
+def bad_json(path: str, encoding: str) -> str | None:
+    """Where a ``.json``/``.jsonl`` file does not parse, as ``'FILE' line N: why``; None
+    when it does. JSON Lines (a first line that is an object on its own) line by line, read
+    as a stream; else the file is one JSON document (datasets' fallback) and the decoder's
+    line is named."""
+    with open(path, encoding=encoding) as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        lines = isinstance(json.loads(first), dict)
+    except json.JSONDecodeError:
+        lines = False
+    if not lines:
+        try:
+            with open(path, encoding=encoding) as f:
+                json.load(f)
+        except json.JSONDecodeError as e:
+            return f"{path!r} line {e.lineno} is not JSON ({_why(e)})"
+        return None
+    with open(path, encoding=encoding) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{path!r} line {n} is not JSON ({_why(e)})"
+            if not isinstance(row, dict):
+                return f"{path!r} line {n} is not a JSON object (a {type(row).__name__})"
+    return None
+
+
+def _why(e: json.JSONDecodeError) -> str:
+    return f"{e.msg.removesuffix(' at').lower()} at column {e.colno}"
 
 
 def undecodable(paths: list[str], encoding: str) -> tuple[str, int, str] | None:
