@@ -113,6 +113,12 @@ class Fault:
         """Has the fault fired (or started)?"""
         return bool(self.fired)
 
+    def trigger(self) -> str:
+        """When it fires, in words: what a run that ends with it unfired never did (the
+        end-of-run line, ``FaultInjector.outcome``; issue 34 item 5)."""
+        on = "" if self.cfg.rank is None else f" on rank {self.cfg.rank}"
+        return f"at model step {self.cfg.step}{on}"
+
     def snapshot_state(self) -> dict:
         """What a rollback rewinds: the fault's course (not the wall-clock firing history)."""
         return {}

@@ -150,6 +150,9 @@ class ActivationDrift(Fault):
         """Fired or started: the drift has started once its natural level is measured."""
         return super().happened or self.drift_start is not None
 
+    def trigger(self) -> str:
+        return "from" + super().trigger().removeprefix("at")
+
     def snapshot_state(self) -> dict:
         return {"drift_factor": self.drift_factor, "drift_start": self.drift_start}
 

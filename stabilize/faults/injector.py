@@ -68,6 +68,17 @@ class FaultInjector:
         """Has the fault fired (point faults) or started (drift)?"""
         return self.fault.happened
 
+    def outcome(self, fired: bool | None = None) -> dict | None:
+        """What the run's armed fault did, for result.json and the final summary: its kind,
+        whether it fired (``fired``: the answer of every rank together, when the caller
+        reduced it; else this rank's own) and when it would have (``trigger``). None when
+        no fault is armed (``kind=none`` or ``enabled=false``): an armed fault that never
+        fired is said at the end, not left for the reader to infer from a quiet run."""
+        if self.cfg.kind == "none" or not self.cfg.enabled:
+            return None
+        fired = self.happened if fired is None else fired
+        return {"kind": self.cfg.kind, "fired": bool(fired), "trigger": self.fault.trigger()}
+
     # ---- the module's hooks ----------------------------------------------------------------
     def fires(self, step: int) -> bool:
         """Does the point fault fire at this model step (on this rank)?"""

@@ -102,6 +102,10 @@ class PoisonedBatch(Fault):
                 "a data position (an int >= 0)"
             )
 
+    def trigger(self) -> str:
+        on = "" if self.cfg.rank is None else f" on rank {self.cfg.rank}"
+        return f"when data position {self.cfg.batch} is trained{on}"
+
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if self.data_step != self.cfg.batch or not self.mine():
             return loss
@@ -142,6 +146,10 @@ class PoisonedItem(Fault):
                 f"[0, {len(blocks)})"
             )
         self.ids = blocks[self.cfg.item][0].clone()
+
+    def trigger(self) -> str:
+        on = "" if self.cfg.rank is None else f" on rank {self.cfg.rank}"
+        return f"when training block {self.cfg.item} is drawn into a batch{on}"
 
     def attach(self, model: nn.Module) -> None:
         model.wte.register_forward_hook(self._poison)

@@ -11,7 +11,7 @@ know is checked here, at the top of ``train.run`` (before the run dir is made):
 - the data: every local file has content, the corpus is large enough for a block and for
   each rank's validation batch (the token cache is built here, stabilize/data/cache.py, and
   the run's loaders reuse it; the tokenizer's ids were checked against ``model.vocab_size``
-  by ``RunConfig``);
+  by ``RunConfig``); a fault on content names one of its training blocks (``fault.item``);
 - ``resume=PATH``: the file exists and is a checkpoint (checked before the data: a typo
   costs no tokenizing);
 - ``trainer.accelerator=gpu``: a CUDA device is visible; ``logger.mode=online``: W&B has an
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from stabilize.data import build_dataloaders
+from stabilize.faults import fault_class
 from stabilize.lit.config import RunConfig
 from stabilize.model import GPT
 from stabilize.trust import UntrustedFile, check_dcp_index, torch_load
@@ -168,7 +169,7 @@ def check_data(cfg: RunConfig, world: int) -> None:
     with config_errors(), _quiet_datasets():
         # Through the token cache: built here, once per node, mapped; the run's
         # own loaders then find it. The ids were checked against the model by RunConfig.
-        build_dataloaders(
+        train, _ = build_dataloaders(
             cfg.data,
             cfg.model.block_size,
             rank=0,
@@ -176,6 +177,10 @@ def check_data(cfg: RunConfig, world: int) -> None:
             num_steps=None,
             val_batches=cfg.trainer.limit_val_batches,
         )
+        # a fault on content (``fault.item``) names a block of this corpus: its own check
+        # (``bind_data``), here rather than at train start, after the run dir and W&B run
+        # exist (issue 34 item 5); a disabled fault's settings are checked too
+        fault_class(cfg.fault.kind)(cfg.fault).bind_data(train.dataset)
 
 
 @contextmanager

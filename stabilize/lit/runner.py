@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 
 from stabilize.compat import wandb_started
 from stabilize.lit import final_eval
@@ -106,13 +107,15 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
             status = "aborted" if isinstance(e, StabilityAbort) else "failed"
             if isinstance(e, Preempted):
                 status = "preempted"
-            _write_result(run_dir, status, module, trainer, error=f"{type(e).__name__}: {e}")
+            error = f"{type(e).__name__}: {e}"
+            _write_result(run_dir, status, module, trainer, error, fault_outcome(module))
             raise
         else:
             score = _score_held_out(cfg, run_dir, module, trainer)
+            fault = fault_outcome(module, trainer)  # every rank: a collective
         finally:
             wandb_dir = _finish_wandb(trainer)
-    _write_result(run_dir, "done", module, trainer)
+    _write_result(run_dir, "done", module, trainer, fault=fault)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if score is not None:
         metrics.update({"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]})
@@ -125,6 +128,7 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
         "ended_with": ended_with(module),
         "ranks": rank_shares(trainer),
         "wandb_offline_dir": wandb_dir,
+        "fault": fault,
     }
 
 
@@ -162,9 +166,26 @@ def rank_shares(trainer) -> list[dict[str, Any]] | None:
     return dogs[0].shares if dogs else None
 
 
-def _write_result(run_dir: Path, status: str, module, trainer, error: str | None = None) -> None:
-    """run_dir/result.json: how the run ended (done | aborted | failed), at which steps, and
-    the state its remedies left (``ended_with``)."""
+def fault_outcome(module: GPTLitModule, trainer: L.Trainer | None = None) -> dict | None:
+    """The armed fault's outcome (``FaultInjector.outcome``; None: no fault armed). With
+    ``trainer`` (a finished run: every rank calls it), "fired" is every rank's answer
+    together, one all-reduce: a fault on every rank may fire on one only (``poisoned_item``
+    where one rank draws the block), and rank 0 writes result.json."""
+    inj = module.injector
+    if inj is None:
+        return None
+    fired = None
+    if trainer is not None and trainer.world_size > 1:
+        flag = torch.tensor(float(inj.happened), device=module.device)
+        fired = bool(trainer.strategy.reduce(flag, reduce_op="sum") > 0)
+    return inj.outcome(fired)
+
+
+def _write_result(
+    run_dir: Path, status: str, module, trainer, error: str | None = None, fault=None
+) -> None:
+    """run_dir/result.json: how the run ended (done | aborted | failed), at which steps, the
+    state its remedies left (``ended_with``) and what its armed fault did (``fault``)."""
     if _rank() != 0:
         return
     result = {
@@ -174,6 +195,7 @@ def _write_result(run_dir: Path, status: str, module, trainer, error: str | None
         "error": error,
         "ended_with": ended_with(module),
         "ranks": rank_shares(trainer),
+        "fault": fault,
     }
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
 

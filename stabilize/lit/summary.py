@@ -84,6 +84,9 @@ def final_summary(cfg, result: dict[str, Any], events: list[dict[str, Any]]) -> 
         lines.append("ended with: " + "; ".join(changed) + " (the remedies')")
     elif rbs:
         lines.append("ended with: the config asked for (no remedy changed it)")
+    unfired = unfired_line(result.get("fault"))
+    if unfired:
+        lines.append(unfired)
     if len(result.get("ranks") or []) > 1:
         lines.append(ranks_line(result["ranks"]))
     if result.get("wandb_offline_dir"):
@@ -91,6 +94,16 @@ def final_summary(cfg, result: dict[str, Any], events: list[dict[str, Any]]) -> 
         lines.append(f"W&B offline run: {d} (to upload: wandb sync {d})")
     lines.append(f"run dir: {result['run_dir']}")
     return lines
+
+
+def unfired_line(fault: dict[str, Any] | None) -> str | None:
+    """An armed fault that never fired (issue 34 item 5): a quiet run is then no drill."""
+    if not fault or fault.get("fired"):
+        return None
+    return (
+        f"fault {fault['kind']} was armed but never fired: it fires {fault['trigger']}, and "
+        "no step of this run did; nothing above was caused by it"
+    )
 
 
 def grad_scan_line(events: list[dict[str, Any]]) -> str | None:

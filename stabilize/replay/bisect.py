@@ -59,6 +59,11 @@ def override(culprits: list[str]) -> str:
 def precision_main(bundle: Path) -> int:
     b = precision(bundle)
     head = f"bisection over {len(b['sites'])} norms with a 16-bit reduction, {b['replays']} replays"
+    if b["failing"] and not b["sites"]:  # it reproduces: the norms are not why (issue 34)
+        print(f"{head}: the step fails in the replay, but every norm of the run already "
+              "reduces in fp32: there is no 16-bit norm to bisect; the sequences that fail "
+              f"it: stabilize-replay --data {bundle}")  # fmt: skip
+        return 1
     if b["culprits"] is None:
         print(f"{head}: the step does not fail in the replay (nothing to bisect)")
         return 1
