@@ -1,11 +1,14 @@
 """``stabilize-report``: compare runs (a scenario's arms) in a table, plots and conclusions.
 
-    stabilize-report RUN_DIR [RUN_DIR ...] [--out DIR] [--title T]
+    stabilize-report RUN_DIR [RUN_DIR ...] [--out DIR] [--title T] [--cost cost.json]
     stabilize-report --wandb ENTITY/PROJECT --group G [--out DIR]
 
 Writes DIR/report.md (default: the common parent of the run dirs) with one table row per
-run, the chain of events, PNG plots beside it (x: the model's step), and for a scenario's
-arms the conclusions its numbers support, for a sweep a table keyed by the swept values.
+run, the chain of events, each forecast warning beside its real lead, PNG plots beside it
+(x: the model's step), and for a scenario's arms the verdicts and conclusions its numbers
+support (with ``--cost``, the step cost scripts/arm_cost.py measured paired), for a sweep a
+table keyed by the swept values, for one run its conclusion: what went wrong, which remedy
+fixed it, its repro bundles.
 """
 
 from __future__ import annotations
@@ -18,18 +21,21 @@ from dataclasses import asdict
 from pathlib import Path
 
 from stabilize.report.chain import chain
+from stabilize.report.conclusions import conclusions
+from stabilize.report.cost import cost_cells, cost_note, load_cost
+from stabilize.report.forecasts import forecast_rows
 from stabilize.report.load import Run, load_run_dir, load_wandb
 from stabilize.report.markdown import code as md_code
 from stabilize.report.markdown import table as md_table
 from stabilize.report.markdown import text as md_text
 from stabilize.report.naming import arm_names, is_scenario, swept
 from stabilize.report.plots import make_plots
+from stabilize.report.single import run_conclusion
 from stabilize.report.summary import (
     COMPARE,
     LAST_STEPS,
     ArmSummary,
     compare_row,
-    conclusions,
     summarize,
     table,
 )
@@ -82,17 +88,26 @@ def best_lines(arms: list[ArmSummary]) -> list[str]:
 
 
 VERDICT_NOTE = (
-    "*NaN stopped*: no non-finite loss, and no GradScaler skip (inf/NaN gradients) at or after "
-    "the arm's first overflowed reduction (after its last rollback, for an arm that rolled "
-    "back). *gap*: the arm's value minus the reference's mean over its seeds; *inside band*: "
-    "the arm's held-out bpb and last-steps loss are no worse than the worst reference seed "
-    "(`-`: 1 reference seed, no spread). *step time / reference*: median seconds per step from "
-    "the runs' own tokens/s, arms run side by side. *what it hides*: measured by the norm "
-    "audit (`audit.jsonl`)."
+    "*NaN stopped*: no non-finite loss or gradient norm, and no more GradScaler skips "
+    "(inf/NaN gradients) from the arm's first overflowed reduction on than any reference seed "
+    "had over the same steps (after its last rollback, for an arm that rolled back). *NaN-"
+    "gradient skips*: the arm's skips in that window, counted as NaN gradients only beyond the "
+    "reference's own (a skip is also the loss scale's calibration: the reference's row gives "
+    "each seed's skips over the whole run). *gap*: the arm's value minus the reference's mean "
+    "over its seeds; *band*: the 95% prediction interval for one more reference seed, mean +- "
+    "t(0.975, n-1) * s * sqrt(1 + 1/n) over the n seeds; *inside band*: the arm's held-out bpb "
+    "and last-steps loss are at or below the band's upper end (`-`: 1 reference seed, no "
+    "spread). *dies*: the loss flat at ln V (a uniform guess over the V tokens) to the end, "
+    "after it had been lower, and held out too. *what it hides*: measured by the norm audit "
+    "(`audit.jsonl`)."
 )
 
 
-def write_report(runs: list[Run], out: Path, title: str = "stabilize report") -> Path:
+def write_report(
+    runs: list[Run], out: Path, title: str = "stabilize report", cost: dict | None = None
+) -> Path:
+    """report.md, summary.json and the plots in ``out``; ``cost``: a paired cost measurement
+    (``report/cost.py``'s ``load_cost``), the verdict table's cost column."""
     out.mkdir(parents=True, exist_ok=True)
     for r, name in zip(runs, arm_names(runs), strict=True):
         r.arm = name  # the name says what differs: the arm, or the swept key=value pairs
@@ -114,8 +129,12 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
         "Steps are the model's own steps (a rollback rewinds them), in the table and on every "
         "plot's x axis. *first |x|>256*: the first "
         "activation warning; *first overflow*: the first norm whose fp16 sum of squares "
-        "overflowed (its rows come out as zeros with a zero gradient: dead tokens); *256 "
-        "warning lead*: steps from that warning to the first non-finite value; *loss before*: "
+        "overflowed (its rows come out as zeros with a zero gradient: dead tokens); *first "
+        "non-finite*: the first step whose loss was NaN/inf (the forward) / the first whose "
+        "gradients were (the backward): a GradScaler skip (inf/NaN gradients) at or after the "
+        "first overflow (before it, a skip is the loss scale's calibration), or a non-finite "
+        "gradient norm without a scaler; *256 warning lead*: steps from that warning to the first "
+        "non-finite value, loss or gradients; *loss before*: "
         f"the last logged loss before the line was crossed; *final loss*: the mean training "
         f"loss of the last {LAST_STEPS} model steps; *held-out bpb*: bits per byte on the "
         "held-out split after training, whole unless `trainer.final_eval_batches` cut it "
@@ -128,10 +147,17 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
     ]
     if any(not a.exact for a in arms):
         lines += ["`~`: rebuilt from logged metrics (W&B API): as fine as the log interval.", ""]
-    if scenario:
-        ref, verdicts = judge(arms, [facts(r, a) for r, a in zip(runs, arms, strict=True)])
-        lines += ["## Against the reference", "", md_table(verdict_rows(ref, verdicts)), ""]
-        lines += [VERDICT_NOTE, ""]
+    if len(runs) == 1:  # no reference to judge by: the run's own story
+        said = run_conclusion(runs[0], arms[0])
+        lines += ["## Conclusion", "", *(f"- {c}" for c in said), ""]
+    if scenario and len(runs) > 1:  # one run has no reference: its conclusion is above
+        fs = [facts(r, a) for r, a in zip(runs, arms, strict=True)]
+        ref, verdicts = judge(arms, fs)
+        cells = None
+        if cost is not None:
+            cells = cost_cells(cost, {a.arm: (f.arm, a) for a, f in zip(arms, fs, strict=True)})
+        lines += ["## Against the reference", "", md_table(verdict_rows(ref, verdicts, cells)), ""]
+        lines += [VERDICT_NOTE + " " + cost_note(cost), ""]
         lines += ["## Conclusions", ""]
         found = conclusions(arms)  # the baseline's chain first, then the verdicts, then costs
         chain_first = [c for c in found if c.startswith("Baseline chain")]
@@ -154,6 +180,19 @@ def write_report(runs: list[Run], out: Path, title: str = "stabilize report") ->
     unreadable = [w for r in runs for w in r.warnings]
     if unreadable:  # what was skipped, by file and line: the rest is reported above and below
         lines += ["## Warnings", "", *(f"- {md_code(w)}" for w in unreadable), ""]
+    warned = forecast_rows(runs)
+    if len(warned) > 1:
+        lines += ["## Forecast warnings", ""]
+        lines += [
+            "Each overflow forecast beside what came of it. *estimated lead*: the steps left "
+            "the warning gave (as natural growth slows; in brackets, at that step's rate); "
+            "*real lead*: optimizer steps from the warning to the layer's crossing of that line "
+            "(its fp16 reduction overflowed: the row-RMS line; its |x| max passed 256: the "
+            "|x| line), `never` if it did not cross.",
+            "",
+            md_table(warned),
+            "",
+        ]
     lines += ["## Plots", ""]
     lines += [
         "x: the model step. Solid: the trajectory the run kept; faded, ending in `x`: an "
@@ -187,6 +226,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--title", default="stabilize report")
     p.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read the runs from the W&B API")
     p.add_argument("--group", help="with --wandb: the W&B group (a scenario's name)")
+    p.add_argument("--cost", metavar="cost.json", help="each arm's step cost measured paired "
+                   "(scripts/arm_cost.py): the verdict table's cost column")  # fmt: skip
     a = p.parse_args(argv)
     if a.wandb and not a.group:
         p.error("--wandb needs --group G (the group whose runs to compare)")
@@ -199,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     a = _parse(argv)
     try:
         runs = load_wandb(a.wandb, a.group) if a.wandb else [load_run_dir(d) for d in a.runs]
+        cost = load_cost(a.cost)
+        if a.cost and cost is None:
+            raise FileNotFoundError(f"--cost {a.cost!r} does not exist")
     except (FileNotFoundError, ValueError) as e:
         print(f"stabilize-report: {e}", file=sys.stderr)
         return 2
@@ -213,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         for w in r.warnings:
             print(f"stabilize-report: warning: {w}", file=sys.stderr)
-    report = write_report(runs, out, a.title)
+    report = write_report(runs, out, a.title, cost)
     print(f"report: {report}")
     return 0
 

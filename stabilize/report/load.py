@@ -52,6 +52,7 @@ class Run:
     warnings: list[str] = field(default_factory=list)
     # the end-of-run score on the whole held-out split (final_eval.json), when it was made
     final_eval: dict[str, Any] | None = None
+    path: Path | None = None  # the run dir (a local source): its bundles/ are named from it
 
     def series(self, key: str) -> list[tuple[float, float]]:
         """[(x, value)] of one metric, in logging order."""
@@ -247,6 +248,7 @@ def load_run_dir(path: str | Path) -> Run:
         overrides=_overrides(d),
         warnings=warnings,
         final_eval=score if isinstance(score, dict) else None,
+        path=d,
     )
 
 

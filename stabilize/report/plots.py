@@ -199,14 +199,19 @@ def _audit_figure(runs: list[Run]) -> Figure | None:
         return None
     colors = _colors(runs)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    # a marker on every audit: a run audited once (audit.every past its length: only the
+    # train-end audit) is one point, which a line alone does not draw
+    dot = {"marker": "o", "ms": 4}
     for r in with_audit:
         xs = [a["step"] for a in r.audits]  # audits record the model step themselves
-        a1.plot(xs, [a["rel_err_median"] for a in r.audits], color=colors[r.arm], label=r.arm)
+        a1.plot(xs, [a["rel_err_median"] for a in r.audits], color=colors[r.arm], label=r.arm,
+                **dot)  # fmt: skip
         a2.plot(
             xs,
             [100 * (a["dead_share"] + a.get("nonfinite_share", 0)) for a in r.audits],
             color=colors[r.arm],
             label=r.arm,
+            **dot,
         )
     a1.set(yscale="log", title="norm output vs float64 (median rel. error)", xlabel=XLABEL)
     a2.set(title="norm rows dead or non-finite (%)", xlabel=XLABEL)

@@ -1,8 +1,9 @@
-"""Per-arm figures and the conclusions they support.
+"""Per-arm figures and the per-arm table.
 
 Every figure is read from what the run recorded (events.jsonl first: exact steps; metric
-rows otherwise); nothing is assumed from the arm's name. Conclusions are rules over those
-figures, so a different outcome gives a different text.
+rows otherwise); nothing is assumed from the arm's name. The conclusions drawn from them
+are rules over these figures (``report/conclusions.py``), so a different outcome gives a
+different text.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ LINE = 256.0  # |x| max where one fp16 square overflows (255.94^2 = 65504)
 # "final loss" is the mean training loss over the run's last LAST_STEPS model steps: one
 # batch's loss is too noisy to rank arms by
 LAST_STEPS = 20
+# A model that predicts every token with probability 1/V scores ln V nats per token (5.545 at
+# V = 256); "flat at ln V" allows this relative tolerance (a healthy tiny model is at ~2.5)
+UNIFORM_TOL = 0.01
 
 
 @dataclass
@@ -31,8 +35,11 @@ class ArmSummary:
     eps: float | None = None
     steps: int = 0  # the model's final step
     steps_taken: int = 0  # optimizer steps taken, rolled-back ones included
-    first_nonfinite: int | None = None
+    first_nonfinite: int | None = None  # the nonfinite monitor's first event (loss or grads)
     nonfinite_where: str | None = None
+    nonfinite_what: str | None = None  # what that first event was about: "loss" | "grads"
+    first_loss_nonfinite: int | None = None  # a non-finite loss: the forward
+    first_overflow_where: str | None = None  # the norm whose reduction overflowed first
     first_over_line: int | None = None
     first_forecast: int | None = None
     first_overflow: int | None = None
@@ -42,7 +49,11 @@ class ArmSummary:
     # they output NaN, they are not dead; summed over the same overflow events
     nan_rows: float = 0.0
     scaler_skips: int = 0
-    first_grad_nonfinite: int | None = None  # first GradScaler skip at/after the first overflow
+    # the backward: the first GradScaler skip at/after the first overflow (before it, a skip
+    # is the scale's calibration), or a non-finite gradient norm without a scaler
+    first_grad_nonfinite: int | None = None
+    grad_nonfinite_by: str | None = None  # "scaler skip" | "grad norm"
+    skips_after_overflow: int = 0  # GradScaler skips at/after the first overflow
     # share of steps the GradScaler skipped before the trouble: before the drift starts, or
     # before the first overflow / 256 crossing / the end when nothing is injected
     early_skip_share: float | None = None
@@ -59,6 +70,12 @@ class ArmSummary:
     heldout_bpb: float | None = None  # the whole held-out split after training
     heldout_bytes: int | None = None
     heldout_whole: bool | None = None  # every held-out block was scored (final_eval.json)
+    heldout_loss: float | None = None  # nats per token on the held-out split
+    heldout_tokens: int | None = None
+    vocab: int | None = None  # model.vocab_size
+    # the first model step from which the training loss stays at ln V (within UNIFORM_TOL)
+    # to the end, after it had been lower: the model collapsed to a uniform guess
+    flat_from: int | None = None
     rel_err: float | None = None  # median relative error of norm outputs vs float64
     flattened: float | None = None  # share of rows > 5% off sqrt(D) (eps's cost)
     exact: bool = True
@@ -70,11 +87,41 @@ class ArmSummary:
         return skipped and not self.rollbacks  # a remedy may have ended it
 
     @property
-    def warning_lead(self) -> int | None:
-        """Steps between the first |x| > 256 warning and the first non-finite value."""
-        if self.first_over_line is None or self.first_nonfinite is None:
+    def uniform_loss(self) -> float | None:
+        """ln V: the loss of a uniform guess over the vocabulary."""
+        return math.log(self.vocab) if self.vocab else None
+
+    @property
+    def uniform_bpb(self) -> float | None:
+        """A uniform guess in bits per byte of the held-out split: log2 V bits per token,
+        times its tokens per byte (1 for the byte tokenizer: 8 bits at V = 256)."""
+        if not self.vocab or not self.heldout_tokens or not self.heldout_bytes:
             return None
-        return self.first_nonfinite - self.first_over_line
+        return math.log2(self.vocab) * self.heldout_tokens / self.heldout_bytes
+
+    @property
+    def dead(self) -> bool:
+        """Collapsed to a uniform guess: the training loss flat at ln V to the end (after it
+        had been lower), and the held-out loss at ln V too where it was scored."""
+        if self.flat_from is None or self.final_loss is None or self.uniform_loss is None:
+            return False
+        u = self.uniform_loss
+        return all(abs(x - u) <= UNIFORM_TOL * u
+                   for x in (self.final_loss, self.heldout_loss) if x is not None)  # fmt: skip
+
+    @property
+    def first_nonfinite_any(self) -> int | None:
+        """The first non-finite value, forward (loss) or backward (gradients)."""
+        steps = [x for x in (self.first_nonfinite, self.first_grad_nonfinite) if x is not None]
+        return min(steps, default=None)
+
+    @property
+    def warning_lead(self) -> int | None:
+        """Steps between the first |x| > 256 warning and the first non-finite value (the
+        loss or the gradients)."""
+        if self.first_over_line is None or self.first_nonfinite_any is None:
+            return None
+        return self.first_nonfinite_any - self.first_over_line
 
 
 DRIFTS = ("activation_drift", "stream_drift")  # faults whose start is where trouble begins
@@ -88,6 +135,22 @@ def last_steps_mean(losses: list[tuple[float, float]]) -> float:
     last = max(by_step)
     window = [v for st, v in by_step.items() if st > last - LAST_STEPS]
     return sum(window) / len(window)
+
+
+def flat_from(losses: list[tuple[float, float]], level: float | None) -> int | None:
+    """The first model step of the run's last stretch at ``level`` (within UNIFORM_TOL),
+    when that stretch reaches the last step and an earlier loss was lower; else None."""
+    if level is None:
+        return None
+    by_step = sorted(dict(losses).items())  # a replayed step counts with its last value
+    tail = None
+    for st, v in reversed(by_step):
+        if not (math.isfinite(v) and abs(v - level) <= UNIFORM_TOL * level):
+            break
+        tail = int(st)
+    if tail is None or not any(v < level * (1 - UNIFORM_TOL) for st, v in by_step if st < tail):
+        return None
+    return tail
 
 
 def _first(events, monitor, kind=None) -> dict | None:
@@ -127,8 +190,15 @@ def summarize(run: Run) -> ArmSummary:
         exact=run.exact_events,
     )
     ev = run.events
+    nonfinite = [e for e in ev if e.get("monitor") == "nonfinite"]
+    # the monitor's message says which: "loss is nan ..." or "gradient norm is inf ..."
+    grad_events = [e for e in nonfinite if str(e.get("message", "")).startswith("gradient")]
+    loss_events = [e for e in nonfinite if e not in grad_events]
+    if loss_events:
+        s.first_loss_nonfinite = int(loss_events[0]["step"])
     if (e := _first(ev, "nonfinite")) is not None:
         s.first_nonfinite = int(e["step"])
+        s.nonfinite_what = "grads" if e in grad_events else "loss"
         loc = (e.get("extra") or {}).get("localization") or []
         if loc and loc[0].get("module"):
             first = loc[0]
@@ -143,6 +213,7 @@ def summarize(run: Run) -> ArmSummary:
     overflows = [e for e in ev if e.get("monitor") == "overflow"]
     if overflows:
         s.first_overflow = int(overflows[0]["step"])
+        s.first_overflow_where = overflows[0].get("layer")
         s.overflow_rows = sum(float(e.get("value") or 0) for e in overflows)
         s.dead_tokens = _extra_sum(overflows, "collapsed")
     # every row that went NaN: on overflow events, and on a step where none overflowed
@@ -153,6 +224,11 @@ def summarize(run: Run) -> ArmSummary:
     if s.first_overflow is not None:  # inf/NaN gradients the overflow caused (not calibration)
         after = [int(e["step"]) for e in skips if int(e["step"]) >= s.first_overflow]
         s.first_grad_nonfinite = min(after, default=None)
+        s.grad_nonfinite_by = "scaler skip" if after else None
+        s.skips_after_overflow = len(after)
+    if grad_events and (s.first_grad_nonfinite is None
+                        or int(grad_events[0]["step"]) < s.first_grad_nonfinite):  # fmt: skip
+        s.first_grad_nonfinite, s.grad_nonfinite_by = int(grad_events[0]["step"]), "grad norm"
     rb = [e for e in ev if e.get("monitor") == "rollback" and e.get("kind") == "rollback"]
     s.rollbacks = len(rb)
     last_rb = max((int(e.get("global_step") or 0) for e in rb), default=None)
@@ -174,8 +250,10 @@ def summarize(run: Run) -> ArmSummary:
     s.steps = int(steps[-1]) if steps else 0
     s.steps_taken = int(max((r["x"] for r in run.rows), default=0))
     losses = [(r.get("train/step", r["x"]), r["train/loss"]) for r in run.rows if "train/loss" in r]
+    s.vocab = (cfg.get("model") or {}).get("vocab_size")
     if losses:
         s.final_loss = last_steps_mean(losses)
+        s.flat_from = flat_from(losses, s.uniform_loss)
         line_at = s.first_over_line or fault.get("cross_step")
         if line_at:
             before = [v for st, v in losses if st < line_at]
@@ -194,6 +272,9 @@ def summarize(run: Run) -> ArmSummary:
         s.heldout_bpb = float(run.final_eval["bpb"])
         s.heldout_bytes = int(run.final_eval.get("bytes") or 0)
         s.heldout_whole = run.final_eval.get("whole")
+        s.heldout_tokens = run.final_eval.get("tokens")
+        if run.final_eval.get("loss") is not None:
+            s.heldout_loss = float(run.final_eval["loss"])
     cut = min([x for x in (s.first_overflow, s.first_nonfinite) if x is not None], default=None)
     healthy = _healthy_audits(run, cut)
     if healthy:
@@ -202,90 +283,8 @@ def summarize(run: Run) -> ArmSummary:
     return s
 
 
-# ---- conclusions ----------------------------------------------------------------------------
 def _fmt_step(v: int | None) -> str:
     return "never" if v is None else str(v)
-
-
-def conclusions(arms: list[ArmSummary]) -> list[str]:
-    """Sentences the table's numbers support, one per finding."""
-    out: list[str] = []
-    by = {a.arm: a for a in arms}
-    base = by.get("baseline")
-    if base is not None and base.first_overflow is not None:
-        chain = [
-            f"|x| max first passed {LINE:g} at step {_fmt_step(base.first_over_line)}",
-            f"the first fp16 reduction overflowed at step {base.first_overflow} "
-            f"({base.dead_tokens:g} token rows zeroed{_nan_part(base)} over all norms and "
-            f"steps)",
-        ]
-        if base.first_grad_nonfinite is not None:
-            chain.append(
-                f"the gradients went non-finite at step {base.first_grad_nonfinite} (a GradScaler "
-                "skip: inf/NaN gradients)"
-            )
-        if base.first_nonfinite is not None:
-            where = f" in {base.nonfinite_where}" if base.nonfinite_where else ""
-            chain.append(f"the first non-finite value came at step {base.first_nonfinite}{where}")
-        elif base.first_grad_nonfinite is None:
-            chain.append("no non-finite value followed")
-        out.append("Baseline chain: " + "; ".join(chain) + ".")
-    if base is not None and base.warning_lead is not None:
-        forecast = ""
-        if base.first_forecast is not None and base.first_over_line is not None:
-            forecast = (
-                f"; the overflow forecast came {base.first_over_line - base.first_forecast} "
-                f"steps earlier still"
-            )
-        out.append(
-            f"The |x| > {LINE:g} warning preceded the first NaN by {base.warning_lead} steps in "
-            f"the baseline{forecast}."
-        )
-    for a in arms:
-        if a.never_trained:
-            out.append(
-                f"{a.arm} never trained: the GradScaler skipped "
-                f"{100 * a.early_skip_share:.0f}% of its steps before any overflow or drift "
-                f"(lowest loss scale {a.min_loss_scale:.3g}): its fp16 reduction overflows in "
-                f"the backward, for tokens of small norm (the embeddings at init)."
-            )
-    for a in arms:
-        if a.rollbacks:
-            ladder = " -> ".join(a.remedies) if a.remedies else "?"
-            if a.aborted:
-                out.append(f"{a.arm}: {a.rollbacks} rollbacks ({ladder}), then gave up (abort).")
-            else:
-                why = f", called by {', '.join(a.triggers)}" if a.triggers else ""
-                ended = f"reached step {a.steps} with loss {a.final_loss:.3g}"
-                if _recovered(a):
-                    out.append(
-                        f"{a.arm} recovered through {a.rollbacks} rollback(s){why} ({ladder}) "
-                        f"and {ended}; no overflow after the last remedy."
-                    )
-                else:
-                    out.append(
-                        f"{a.arm} rolled back {a.rollbacks} time(s){why} ({ladder}) and "
-                        f"{ended}, but did not recover: "
-                        + ("it overflowed again after the last remedy." if a.overflow_after_rollback
-                           else "it went non-finite or did not finish.")
-                    )  # fmt: skip
-    errs = {a.arm: a.rel_err for a in arms if a.rel_err}
-    if len(errs) > 1:
-        worst = max(errs, key=errs.get)
-        best = min(errs, key=errs.get)
-        out.append(
-            f"Precision cost on healthy steps: {worst}'s norm outputs are off by "
-            f"{errs[worst]:.2g} (median relative error vs float64), "
-            f"{errs[worst] / errs[best]:.0f}x {best}'s {errs[best]:.2g}."
-        )
-    flat = {a.arm: a.flattened for a in arms if a.flattened is not None}
-    if flat and max(flat.values()) > 0:
-        worst = max(flat, key=flat.get)
-        out.append(
-            f"Large-eps cost: {_pct(flat[worst])} of token rows in {worst} come out of the "
-            f"norm more than 5% off sqrt(D) (eps is not negligible against their mean square)."
-        )
-    return out
 
 
 def _pct(share: float) -> str:
@@ -294,17 +293,9 @@ def _pct(share: float) -> str:
     return f"{pct:.0f}%" if pct >= 10 else f"{pct:.2g}%"
 
 
-def _nan_part(a: ArmSummary) -> str:
-    """The NaN-producing rows beside the dead ones, when there were any."""
-    return (
-        f", {a.nan_rows:g} rows turned NaN (input past the reduction dtype)" if a.nan_rows else ""
-    )
-
-
-def _recovered(a: ArmSummary) -> bool:
-    """Recovered: finished, never non-finite, and no overflow event after the last rollback
-    (not "no NaN" alone: an overflow that did not turn NaN is still the fault)."""
-    return a.status == "done" and a.first_nonfinite is None and not a.overflow_after_rollback
+def _where(a: ArmSummary, what: str) -> str:
+    """The localized module, beside the column of the nonfinite event it came from."""
+    return f" ({a.nonfinite_where})" if a.nonfinite_where and a.nonfinite_what == what else ""
 
 
 def table(arms: list[ArmSummary]) -> list[list[Any]]:
@@ -316,7 +307,7 @@ def table(arms: list[ArmSummary]) -> list[list[Any]]:
         "first overflow",
         "dead rows (sum)",
         "NaN rows (sum)",
-        "first non-finite",
+        "first non-finite: loss (forward) / grads (backward)",
         "256 warning lead",
         "scaler skips",
         "rollbacks (remedies)",
@@ -345,8 +336,12 @@ def table(arms: list[ArmSummary]) -> list[list[Any]]:
                 f(a.dead_tokens, "{:g}"),
                 f(a.nan_rows, "{:g}"),
                 mark
-                + _fmt_step(a.first_nonfinite)
-                + (f" ({a.nonfinite_where})" if a.nonfinite_where else ""),
+                + _fmt_step(a.first_loss_nonfinite)
+                + _where(a, "loss")
+                + " / "
+                + _fmt_step(a.first_grad_nonfinite)
+                + (f" ({a.grad_nonfinite_by})" if a.grad_nonfinite_by else "")
+                + _where(a, "grads"),
                 f(a.warning_lead),
                 f"{a.scaler_skips}"
                 + (f" (min scale {a.min_loss_scale:.2g})" if a.min_loss_scale else ""),

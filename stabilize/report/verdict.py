@@ -5,10 +5,12 @@ and precision; ``configs/arm/reference.yaml``), possibly run with several seeds.
 arm is judged by two questions, each answered from recorded numbers only:
 
 1. **Did it stop the NaN?** No non-finite loss or gradient caused by the fault: no
-   ``nonfinite`` event, and no GradScaler skip (inf/NaN gradients) at or after the arm's
-   first overflowed reduction. Before an overflow, a skip is the loss scale's ordinary
-   calibration (the reference has them too). For an arm that rolled back, only what came
-   after its last rollback counts.
+   ``nonfinite`` event, and no more GradScaler skips (inf/NaN gradients) from the arm's
+   first overflowed reduction on than the reference had over the same steps (the most any
+   of its seeds had there). A skip is also the loss scale's ordinary calibration: the
+   healthy reference skips a few times too (3-4 in 120 steps of nan_repro), so a skip counts
+   as NaN gradients only beyond the reference's own rate. For an arm that rolled back, only
+   what came after its last rollback counts.
 2. **Does it train like the reference?** Its gap to the reference's mean, on the held-out
    bits per byte and on the mean training loss of the last steps, against the reference's
    seed band: the 95% prediction interval for one more seed, mean +- t(0.975, n-1) * s *
@@ -17,8 +19,11 @@ arm is judged by two questions, each answered from recorded numbers only:
    "worse". Only the upper side counts (lower is not a failure to train). With one
    reference seed there is no spread, and the verdict says it cannot tell a gap from noise.
 
-"fixes it" needs both; "stops the NaN but trains X worse" is the first alone. What each
-arm hides and what it costs are measured beside it (``hides``, ``step_time_ratio``).
+"fixes it" needs both; "stops the NaN but trains X worse" is the first alone. An arm whose
+model collapsed to a uniform guess (``ArmSummary.dead``: the loss flat at ln V, ln 256 =
+5.545 for bytes, and held out too) "dies", whatever else it did: the sentence tells its chain
+in step order with the numbers beside it. What each arm hides is measured beside it
+(``hides``); what it costs, only where it was measured paired (``report/cost.py``).
 """
 
 from __future__ import annotations
@@ -42,9 +47,13 @@ class Facts:
 
     arm: str  # the configured arm (several seeds share it)
     seed: int | None
-    nan_steps: list[int] = field(default_factory=list)  # fault-caused non-finite steps
+    nan_steps: list[int] = field(default_factory=list)  # non-finite loss/grad-norm events
     overflow_after_last_rollback: bool = False
-    step_time: float | None = None  # median seconds per optimizer step (host clock)
+    # GradScaler skips (model steps) after the last rollback, and the first overflow there:
+    # the window in which a skip may be NaN gradients rather than calibration
+    skips: list[int] = field(default_factory=list)
+    window: int | None = None
+    end: int = 0  # the model's final step
     rel_err_drift: float | None = None  # norm-output error vs float64 while drifted
     norm_dev: float | None = None  # worst norm's median |output norm / sqrt(D) - 1|
 
@@ -71,17 +80,12 @@ def facts(run: Run, s: ArmSummary) -> Facts:
 
     overflows = [e for e in ev if e.get("monitor") == "overflow" and later(e)]
     f.overflow_after_last_rollback = bool(rb) and bool(overflows)
-    first_over = min((int(e["step"]) for e in overflows), default=None)
-    nan = [int(e["step"]) for e in ev if e.get("monitor") == "nonfinite" and later(e)]
-    if first_over is not None:
-        skips = [e for e in ev if e.get("monitor") == "loss_scale" and e.get("kind") == "skip"]
-        nan += [int(e["step"]) for e in skips if int(e["step"]) >= first_over and later(e)]
-    f.nan_steps = sorted(set(nan))
-    tps = _median(v for _, v in run.series("perf/tokens_per_s"))
-    if tps:
-        d = cfg.get("data") or {}
-        tokens = (d.get("batch_size") or 0) * ((cfg.get("model") or {}).get("block_size") or 0)
-        f.step_time = tokens / tps if tokens else 1 / tps
+    f.window = min((int(e["step"]) for e in overflows), default=None)
+    f.nan_steps = sorted({int(e["step"]) for e in ev if e.get("monitor") == "nonfinite"
+                          and later(e)})  # fmt: skip
+    f.skips = sorted({int(e["step"]) for e in ev if e.get("monitor") == "loss_scale"
+                      and e.get("kind") == "skip" and later(e)})  # fmt: skip
+    f.end = s.steps
     fault = cfg.get("fault") or {}
     drifts = fault.get("kind") in DRIFTS and fault.get("enabled", True)
     start = fault.get("step") if drifts else None
@@ -97,7 +101,12 @@ class Reference:
     names: list[str]
     bpb: list[float]
     loss: list[float]
-    step_time: float | None
+    skips: list[list[int]] = field(default_factory=list)  # each seed's GradScaler skip steps
+
+    def skip_allowance(self, lo: int, hi: int) -> int:
+        """The most GradScaler skips any reference seed had in steps [lo, hi]: its own rate
+        of calibration skips over those steps."""
+        return max((sum(lo <= x <= hi for x in seed) for seed in self.skips), default=0)
 
     @property
     def seeds(self) -> int:
@@ -124,10 +133,16 @@ class Verdict:
     gap_bpb: float | None
     gap_loss: float | None
     inside: bool | None  # both gaps inside the band; None: no spread (1 seed) or no score
-    step_time_ratio: float | None
     hides: str
-    label: str  # the verdict in a few words (the table's cell) ...
-    words: str  # ... and as the conclusion's sentence
+    label: str = ""  # the verdict in a few words (the table's cell) ...
+    words: str = ""  # ... and as the conclusion's sentence
+    # GradScaler skips counted as NaN gradients: the arm's skips in [window, end] when they
+    # are more than the reference's allowance there (else none), and that allowance
+    grad_nan: list[int] = field(default_factory=list)
+    in_window: list[int] = field(default_factory=list)  # every skip of the arm in the window
+    allowance: int | None = None
+    window: tuple[int, int] | None = None
+    dies: bool = False  # the model collapsed to a uniform guess (ArmSummary.dead)
 
 
 def reference(arms: list[ArmSummary], fs: list[Facts]) -> Reference | None:
@@ -139,7 +154,7 @@ def reference(arms: list[ArmSummary], fs: list[Facts]) -> Reference | None:
         names=[a.arm for a, _ in ok],
         bpb=[a.heldout_bpb for a, _ in ok if a.heldout_bpb is not None],
         loss=[a.final_loss for a, _ in ok if _finite(a.final_loss)],
-        step_time=_median(f.step_time for _, f in ok),
+        skips=[f.skips for _, f in ok],
     )
 
 
@@ -169,8 +184,15 @@ def judge(arms: list[ArmSummary], fs: list[Facts]) -> tuple[Reference | None, li
     for a, f in zip(arms, fs, strict=True):
         if f.arm == REFERENCE:
             continue
-        stopped = not f.nan_steps and a.status == "done" and not f.overflow_after_last_rollback
-        gap_bpb = gap_loss = inside = ratio = None
+        there, allowance, window = scaler_nan(f, ref)
+        grad_nan = there if allowance is not None and len(there) > allowance else []
+        stopped = (
+            not f.nan_steps
+            and not grad_nan
+            and a.status == "done"
+            and not f.overflow_after_last_rollback
+        )
+        gap_bpb = gap_loss = inside = None
         if ref is not None:
             if a.heldout_bpb is not None and ref.bpb:
                 gap_bpb = a.heldout_bpb - ref.mean("bpb")
@@ -180,12 +202,37 @@ def judge(arms: list[ArmSummary], fs: list[Facts]) -> tuple[Reference | None, li
                 inside = bool(_inside(a.heldout_bpb, ref.band("bpb"))) and bool(
                     _inside(a.final_loss, ref.band("loss"))
                 )
-            if f.step_time and ref.step_time:
-                ratio = f.step_time / ref.step_time
-        v = Verdict(a.arm, stopped, gap_bpb, gap_loss, inside, ratio, hides(a, f), "", "")
+        v = Verdict(a.arm, stopped, gap_bpb, gap_loss, inside, hides(a, f), grad_nan=grad_nan,
+                    in_window=there, allowance=allowance, window=window,
+                    dies=a.dead)  # fmt: skip
         v.label, v.words = words(a, f, v, ref)
         out.append(v)
     return ref, out
+
+
+def scaler_nan(f: Facts, ref: Reference | None) -> tuple[list[int], int | None, tuple | None]:
+    """The arm's GradScaler skips in the window [first overflow, end], the reference's
+    allowance there (the most any of its seeds had over the same steps) and the window; the
+    skips count as NaN gradients when there are more of them than the allowance. Without a
+    reference the allowance is 0 (every skip from the overflow on counts)."""
+    if f.window is None:
+        return [], None, None
+    lo, hi = f.window, max(f.end, f.window)
+    there = [x for x in f.skips if lo <= x <= hi]
+    allowance = ref.skip_allowance(lo, hi) if ref is not None and ref.skips else 0
+    return there, allowance, (lo, hi)
+
+
+def steps_text(steps: list[int]) -> str:
+    """[54, 56, 59] -> "54, 56 and 59"; runs of consecutive steps as "a-b"."""
+    runs: list[list[int]] = []
+    for x in sorted(steps):
+        if runs and x == runs[-1][-1] + 1:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    parts = [f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def _gap(v: Verdict) -> str:
@@ -197,15 +244,66 @@ def _gap(v: Verdict) -> str:
     return ", ".join(bits) or "no score"
 
 
+def _skipped(v: Verdict) -> str:
+    """The scaler skips counted as NaN gradients, with the reference's allowance beside."""
+    lo, hi = v.window
+    ref = f", the reference at most {v.allowance} over steps {lo}-{hi}" if v.allowance else ""
+    return (
+        f"NaN gradients at steps {steps_text(v.grad_nan)} were skipped by the loss scaler "
+        f"({len(v.grad_nan)} skips from step {lo} on{ref})"
+    )
+
+
+def _uniform(a: ArmSummary) -> str:
+    """The numbers of a uniform guess beside the arm's own."""
+    out = f"loss {a.final_loss:.3f} over its last steps = ln {a.vocab}"
+    if a.heldout_bpb is not None:
+        u = a.uniform_bpb
+        same = (
+            f" = log2 {a.vocab}"
+            if a.heldout_tokens == a.heldout_bytes
+            else (f", a uniform guess's {u:.2f}" if u else "")
+        )
+        out += f", {a.heldout_bpb:.2f} bpb held out{same}"
+    return out
+
+
+def dies_words(a: ArmSummary, f: Facts, v: Verdict) -> str:
+    """A collapse to a uniform guess, told in step order with its numbers."""
+    links: list[tuple[int, str]] = []
+    if a.first_overflow is not None:
+        where = f" ({a.first_overflow_where})" if a.first_overflow_where else ""
+        links.append((a.first_overflow, (
+            f"its fp16 reduction overflowed at step {a.first_overflow}{where} and the rows came "
+            f"out of the norm as zeros ({a.dead_tokens:g} dead rows over all norms and steps)"
+        )))  # fmt: skip
+    if a.flat_from is not None:
+        links.append((a.flat_from, (
+            f"from step {a.flat_from} the training loss is flat at {a.uniform_loss:.3f} = ln "
+            f"{a.vocab}"
+        )))  # fmt: skip
+    if v.grad_nan:
+        links.append((v.grad_nan[0], _skipped(v)))
+    if f.nan_steps:
+        links.append((f.nan_steps[0], f"the loss or gradient norm went non-finite at step "
+                      f"{f.nan_steps[0]}"))  # fmt: skip
+    said = "; ".join(t for _, t in sorted(links, key=lambda st: st[0]))
+    return f"{a.arm} dies: {said}; the model predicts uniformly ({_uniform(a)})."
+
+
 def words(a: ArmSummary, f: Facts, v: Verdict, ref: Reference | None) -> tuple[str, str]:
     """The verdict's label and sentence; every word follows from the numbers in ``v``
-    (tests/test_verdict.py holds them against each other)."""
+    (tests/test_verdict.py and tests/test_report_truth.py hold them against each other)."""
+    if v.dies:
+        return "dies (predicts uniformly)", dies_words(a, f, v)
     if not v.nan_stopped:
         why = []
         if a.first_overflow is not None:
             why.append(f"its reduction overflowed at step {a.first_overflow}")
         if f.nan_steps:
-            why.append(f"non-finite gradients or loss from step {f.nan_steps[0]}")
+            why.append(f"non-finite loss or gradient norm from step {f.nan_steps[0]}")
+        if v.grad_nan:
+            why.append(_skipped(v))
         if f.overflow_after_last_rollback:
             why.append("it overflowed again after its last rollback")
         if a.status != "done":
@@ -232,24 +330,45 @@ def words(a: ArmSummary, f: Facts, v: Verdict, ref: Reference | None) -> tuple[s
     )
 
 
-HEADER = ["arm", "NaN stopped", "gap: held-out bpb", "gap: last-steps loss", "inside band",
-          "step time / reference", "what it hides", "verdict"]  # fmt: skip
+HEADER = ["arm", "NaN stopped", "NaN-gradient skips (beyond the reference's)",
+          "gap: held-out bpb", "gap: last-steps loss", "inside band"]  # fmt: skip
+TAIL = ["what it hides", "verdict"]
+COST = "step time / reference (paired: median, range)"
 
 
-def verdict_rows(ref: Reference | None, vs: list[Verdict]) -> list[list[str]]:
+def verdict_rows(
+    ref: Reference | None, vs: list[Verdict], cost: dict[str, str] | None = None
+) -> list[list[str]]:
+    """The verdict table; ``cost``: each arm's paired cost cell (report/cost.py), the column
+    left out without it (a cost that was not measured paired is not shown)."""
+
     def g(x, fmt):
         return "-" if x is None or not math.isfinite(x) else fmt.format(x)
 
-    rows = [HEADER]
+    rows = [HEADER + ([COST] if cost is not None else []) + TAIL]
     if ref is not None:
         band = ref.band("bpb")
         spread = f"{band[0]:.3f}-{band[1]:.3f}" if band else "no spread (1 seed)"
+        skips = ", ".join(str(len(x)) for x in ref.skips) or "-"
         rows.append([f"reference ({ref.seeds} seed{'s' if ref.seeds > 1 else ''})", "-",
+                     f"skips per seed: {skips}",
                      f"mean {g(ref.mean('bpb'), '{:.3f}')}, band {spread}",
-                     f"mean {g(ref.mean('loss'), '{:.3f}')}", "-", "1", "-", "-"])  # fmt: skip
+                     f"mean {g(ref.mean('loss'), '{:.3f}')}", "-"]
+                    + ([cost.get(REFERENCE, "1")] if cost is not None else [])
+                    + ["-", "-"])  # fmt: skip
     for v in vs:
         inside = "-" if v.inside is None else ("yes" if v.inside else "no")
-        rows.append([v.arm, "yes" if v.nan_stopped else "no", g(v.gap_bpb, "{:+.3f}"),
-                     g(v.gap_loss, "{:+.3f}"), inside, g(v.step_time_ratio, "{:.2f}"),
-                     v.hides or "-", v.label])  # fmt: skip
+        if v.window is not None:
+            lo, hi = v.window
+            beyond = (
+                f"{len(v.grad_nan)} ({len(v.in_window)} skips in steps {lo}-{hi}"
+                + (f": {steps_text(v.in_window)}" if v.in_window else "")
+                + f"; the reference at most {v.allowance} there)"
+            )
+        else:
+            beyond = "0 (no overflow)"
+        rows.append([v.arm, "yes" if v.nan_stopped else "no", beyond, g(v.gap_bpb, "{:+.3f}"),
+                     g(v.gap_loss, "{:+.3f}"), inside]
+                    + ([cost.get(v.arm, "-")] if cost is not None else [])
+                    + [v.hides or "-", v.label])  # fmt: skip
     return rows

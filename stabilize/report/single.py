@@ -1,0 +1,106 @@
+"""One run's conclusion: what went wrong, which remedy fixed it, where to replay it.
+
+``stabilize-report RUN_DIR`` on a single run has no reference to judge by, so its conclusion
+is the run's own story: the chain of what went wrong in step order (``conclusions.py``'s
+links: the overflow and its zeros, a collapse to a uniform guess, non-finite gradients or
+loss), then each rollback's rung and whether it helped. A rung helped when its fault did
+not come back: a later rollback answering the same monitor means it did not (e.g.
+``lower_lr`` before ``fp32_reduction`` on an overflow that lower LR cannot stop). The last
+rung fixed it when nothing was flagged after it and the run finished. Last, the run's repro
+bundles (``bundles/step-NNNNNN-<monitor>``) and the commands that replay and bisect them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from stabilize.report.conclusions import chain_links
+from stabilize.report.load import Run
+from stabilize.report.markdown import code, text
+from stabilize.report.rollbacks import rollbacks
+from stabilize.report.summary import ArmSummary
+
+# events after the last rollback that say the fault is still there
+FAULTS = ("overflow", "nonfinite")
+
+
+def _taken(e: dict) -> int:
+    return int(e.get("global_step") if e.get("global_step") is not None else e.get("step", 0))
+
+
+def _bundles(run: Run) -> list[tuple[Path, str]]:
+    """(bundle dir, "step N, monitor") of every bundle the run kept, by step."""
+    if run.path is None or not (run.path / "bundles").is_dir():
+        return []
+    out = []
+    for d in sorted((run.path / "bundles").iterdir()):
+        if not d.is_dir() or not d.name.startswith("step-"):
+            continue
+        what = d.name.removeprefix("step-")
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+            monitors = sorted({e.get("monitor") for e in meta.get("events", [])} - {None})
+            what = f"step {meta.get('step')}, {', '.join(monitors) or '?'}"
+        except (OSError, ValueError, AttributeError):
+            pass
+        out.append((d, what))
+    return out
+
+
+def run_conclusion(run: Run, a: ArmSummary) -> list[str]:
+    """The conclusion's sentences for one run, as markdown (prose literal, commands as code)."""
+    return [text(x) if isinstance(x, str) else "".join(x) for x in _sentences(run, a)]
+
+
+def _sentences(run: Run, a: ArmSummary) -> list[str | tuple[str, ...]]:
+    """Plain sentences, or a sentence's markdown pieces (a command as a code span)."""
+    out: list[str | tuple[str, ...]] = []
+    links = [(s, t) for s, link, t in chain_links(a) if s is not None and link != "line"]
+    if links:
+        out.append("What went wrong: " + "; ".join(f"step {s}: {t}" for s, t in links) + ".")
+    elif a.status == "done" and not a.rollbacks:
+        out.append("Nothing went wrong: no overflow, no non-finite loss or gradients, no "
+                   "rollback.")  # fmt: skip
+    rbs = rollbacks(run.events)
+    rb_events = [e for e in run.events if e.get("monitor") == "rollback"
+                 and e.get("kind") == "rollback"]  # fmt: skip
+    for n, rb in enumerate(rbs, 1):
+        monitor = (rb.cause or {}).get("monitor", "?")
+        what = f"Rollback {n} (step {rb.step}, {rb.remedy}: {rb.effect})"
+        again = next((m for m, later in enumerate(rbs[n:], n + 1)
+                      if (later.cause or {}).get("monitor") == monitor), None)  # fmt: skip
+        if again is not None:
+            out.append(f"{what} did not help: the same fault ({monitor}) came back at step "
+                       f"{rbs[again - 1].step} (rollback {again}).")  # fmt: skip
+        elif n < len(rbs):
+            out.append(f"{what} answered {monitor}; a different fault followed.")
+        else:
+            last = _taken(rb_events[-1]) if rb_events else 0
+            still = [e for e in run.events if _taken(e) > last and (
+                e.get("monitor") in FAULTS or (e.get("kind") == "rollback"
+                                               and e.get("monitor") != "rollback"))]  # fmt: skip
+            if not still and a.status == "done":
+                out.append(f"{what} fixed it: nothing was flagged after it, and the run reached "
+                           f"step {a.steps} (loss {a.final_loss:.3g}).")  # fmt: skip
+            else:
+                seen = sorted({str(e.get("monitor")) for e in still})
+                out.append(f"{what} did not fix it: after it came {', '.join(seen) or 'no'} "
+                           f"events and the run ended {a.status}.")  # fmt: skip
+    if links and not rbs:
+        on = (run.config.get("rollback") or {}).get("enabled")
+        if on is False:
+            out.append((text("No remedy was tried: rollback was off ("), code("rollback=default"),
+                        text(" turns the ladder on).")))  # fmt: skip
+        else:
+            out.append("No remedy was tried.")
+    for d, what in _bundles(run):
+        out.append((
+            text(f"Repro bundle {d} ({what}): "), code(f"stabilize-replay {d}"),
+            text(" replays that step; "), code(f"stabilize-replay --bisect {d}"),
+            text(" finds the fewest norms whose fp32 reduction clears it."),
+        ))  # fmt: skip
+    if links and not _bundles(run):
+        out.append((text("No repro bundle was kept ("), code("rollback.bundle=fault"),
+                    text(" writes one per fault).")))  # fmt: skip
+    return out
