@@ -3,7 +3,7 @@
 #
 #   scripts/repro_nan.sh [--out DIR] [--experiment nan_repro|nan_repro_natural]
 #                        [--arms reference,baseline,fp32_reduction,bf16,large_eps,remedy]
-#                        [--seeds N] [--reference-seeds N] [--jobs J]
+#                        [--seeds N] [--reference-seeds N] [--jobs J] [--cost-rounds N]
 #                        [--nproc-per-node N] [-- extra hydra overrides for every arm]
 #
 # Arms (configs/arm/): reference = the same run without the drift (every verdict is a gap to
@@ -15,12 +15,15 @@
 # judged against. --jobs J launches run J at a time (default: the cores / ranks per launch,
 # each with OMP_NUM_THREADS = cores / J / ranks). An arm that stops with an error (an abort,
 # exit 3) is part of the story: the others still run, and the report says so. Each arm's
-# console streams to stderr prefixed with its name and is kept in DIR/<run>.log. Writes
-# DIR/report.md and DIR/*.png. Python: $PYTHON if set, else `python` on PATH.
+# console streams to stderr prefixed with its name and is kept in DIR/<run>.log. With the
+# reference among the arms, scripts/arm_cost.py times every arm's step paired with the
+# reference's in one process (--cost-rounds N rounds, default 12, ~20 s of one core beside
+# the last runs; 0: none) into DIR/cost.json: the report's cost column (without it, none).
+# Writes DIR/report.md and DIR/*.png. Python: $PYTHON if set, else `python` on PATH.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 experiment=nan_repro; arms=reference,baseline,fp32_reduction,bf16,large_eps,remedy
-nprocs=1; out=""; seeds=1; ref_seeds=3; jobs=""
+nprocs=1; out=""; seeds=1; ref_seeds=3; jobs=""; cost_rounds=12
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -29,12 +32,17 @@ while [[ $# -gt 0 ]]; do
     --seeds) seeds="$2"; shift 2 ;;
     --reference-seeds) ref_seeds="$2"; shift 2 ;;
     --jobs) jobs="$2"; shift 2 ;;
+    --cost-rounds) cost_rounds="$2"; shift 2 ;;
     --nproc-per-node) nprocs="$2"; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     --) shift; break ;;
     *) echo "repro_nan.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+if ! [[ "$cost_rounds" =~ ^[0-9]+$ ]]; then
+  echo "repro_nan.sh: --cost-rounds=$cost_rounds is not allowed; allowed: 0 or a positive integer" >&2
+  exit 2
+fi
 for pair in "seeds:$seeds" "reference-seeds:$ref_seeds" "jobs:${jobs:-1}" "nproc-per-node:$nprocs"; do
   if ! [[ "${pair#*:}" =~ ^[1-9][0-9]*$ ]]; then
     echo "repro_nan.sh: --${pair%%:*}=${pair#*:} is not allowed; allowed: a positive integer" >&2
@@ -98,6 +106,17 @@ for i in "${!runs[@]}"; do
   launch "${runs[$i]}" "${run_arm[$i]}" "${run_seed[$i]}" "$@" &
   running=$((running + 1))
 done
+# the arms' cost, paired: every arm's step beside the reference's in one process, in the
+# queue like a run (the runs' own step times are the machine's load: stabilize/report/cost.py)
+if (( cost_rounds > 0 )) && [[ ",$arms," == *,reference,* ]]; then
+  if (( running >= jobs )); then wait -n || true; running=$((running - 1)); fi
+  echo "[cost] every arm's step paired with the reference's -> $out/cost.json ($((SECONDS - start)) s so far)" >&2
+  ( OMP_NUM_THREADS=$threads "${PYTHON:-python}" "$here/arm_cost.py" --out "$out/cost.json" \
+      --experiment "$experiment" --arms "$arms" --rounds "$cost_rounds" --threads "$threads" \
+      -- "$@" > "$out/cost.log" 2>&1 \
+    && echo "    cost: done ($((SECONDS - start)) s so far); log $out/cost.log" >&2 \
+    || echo "    cost: failed (see $out/cost.log); the report has no cost column" >&2 ) &
+fi
 wait || true
 # a config error in any run is the user's to fix: say so and stop before the report
 for name in "${runs[@]}"; do
@@ -106,6 +125,7 @@ for name in "${runs[@]}"; do
     exit 2
   fi
 done
-"${PYTHON:-python}" -m stabilize.report "${runs[@]/#/$out/}" --out "$out" --title "$experiment: $arms"
+cost=(); [[ -f "$out/cost.json" ]] && cost=(--cost "$out/cost.json")
+"${PYTHON:-python}" -m stabilize.report "${runs[@]/#/$out/}" --out "$out" --title "$experiment: $arms" "${cost[@]}"
 echo "scenario done in $((SECONDS - start)) s (${#runs[@]} runs, $jobs at a time); report: $out/report.md" \
   | tee -a "$out/scenario.log" >&2

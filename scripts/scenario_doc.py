@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from docblock import commit, cpu, replace_block  # noqa: E402
 
-SECTIONS = ("## Per arm", "## Against the reference", "## Conclusions")
+SECTIONS = ("## Per arm", "## Against the reference", "## Conclusions", "## Forecast warnings")
 
 
 def _section(report: str, title: str) -> str:
