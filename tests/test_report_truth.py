@@ -350,3 +350,37 @@ def test_one_run_gets_a_conclusion_that_names_the_rung_that_did_not_help(tmp_pat
     assert not re.search(r"lower_lr[^\n]* fixed it", said)
     for b in bundles:
         assert f"`stabilize-replay --bisect {b}`" in said
+
+
+def test_one_run_without_an_overflow_says_what_the_monitors_flagged(tmp_path):
+    """The README's one-run command (fp16 post-norm): the scaler skips from step 1, the
+    loss-scale monitor rolls back at step 11; lower_lr does not help, fp32_reduction does."""
+    d = tmp_path / "one"
+    verdict = {
+        "kind": "rollback",
+        "monitor": "loss_scale",
+        "step": 11,
+        "message": "11 consecutive scaler skips (max 10); first non-finite gradient: x",
+    }
+
+    def rolled(remedy, taken):
+        return {
+            "kind": "rollback",
+            "monitor": "rollback",
+            "step": 11,
+            "global_step": taken,
+            "message": f"rolled back; remedy {remedy}",
+            "extra": {"restored_step": 10, "remedy": remedy},
+        }
+
+    ev = [skip(s) for s in range(1, 12)] + [verdict, rolled("lower_lr", 11)]
+    ev += [{**skip(11), "global_step": 12}, {**verdict, "global_step": 12}]
+    ev += [rolled("fp32_reduction", 12)]  # fmt: skip
+    write_run(d, None, 1234, [(s, healthy(s, 3.0, 1)) for s in range(1, 26)], ev, rollback=True)
+    assert report_main([str(d)]) == 0
+    said = section((d / "report" / "report.md").read_text(), "Conclusion")
+    skips = [e for e in ev if e["monitor"] == "loss_scale" and e["kind"] == "skip"]
+    assert f"step 1: the GradScaler skipped a step (inf/NaN gradients), {len(skips)} times" in said
+    assert "step 11: loss_scale: 11 consecutive scaler skips (max 10)" in said
+    assert re.search(r"lower_lr[^\n]* did not help", said)
+    assert re.search(r"fp32_reduction[^\n]* fixed it", said)

@@ -57,6 +57,17 @@ def _sentences(run: Run, a: ArmSummary) -> list[str | tuple[str, ...]]:
     """Plain sentences, or a sentence's markdown pieces (a command as a code span)."""
     out: list[str | tuple[str, ...]] = []
     links = [(s, t) for s, link, t in chain_links(a) if s is not None and link != "line"]
+    if not links:  # no overflow, no non-finite loss: what the monitors flagged instead
+        verdict = next((e for e in run.events if e.get("kind") == "rollback"
+                        and e.get("monitor") != "rollback"), None)  # fmt: skip
+        if verdict is not None:
+            msg = str(verdict.get("message", "")).split("; ")[0]
+            links.append((int(verdict["step"]), f"{verdict.get('monitor')}: {msg}"))
+        skips = sorted(int(e["step"]) for e in run.events if e.get("monitor") == "loss_scale"
+                       and e.get("kind") == "skip")  # fmt: skip
+        if skips and verdict is not None:
+            links.insert(0, (skips[0], f"the GradScaler skipped a step (inf/NaN gradients), "
+                             f"{len(skips)} times in all"))  # fmt: skip
     if links:
         out.append("What went wrong: " + "; ".join(f"step {s}: {t}" for s, t in links) + ".")
     elif a.status == "done" and not a.rollbacks:
