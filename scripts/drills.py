@@ -144,7 +144,10 @@ def summarize(run_dir: Path, rc: int, ranks: int) -> dict[str, str]:
                 blamed.append(f"rank {r['rank']}: fwd {r['module']}")
             elif r.get("grad_module"):
                 came = "" if r.get("grad_incoming_finite") else ", incoming non-finite"
-                blamed.append(f"rank {r['rank']}: bwd {r['grad_module']}{came}")
+                where = f"bwd {r['grad_module']}{came}"
+                if r.get("from_loss"):  # no module made it (localize.py)
+                    where = f"fwd {r['from_forward']}" if r.get("from_forward") else "the loss"
+                blamed.append(f"rank {r['rank']}: {where}")
     remedies = " -> ".join(e["extra"]["remedy"] for e in rolls) or "-"
     result = {}
     if (run_dir / "result.json").exists():

@@ -20,7 +20,7 @@ FAULT = ["fault=inf_grad", "fault.param=h.1.mlp.c_fc.weight", "fault.step=4"]
 BASE = [*FAST, "trainer.max_steps=6", "trainer.val_check_interval=100", "logger=none"]
 
 
-def test_backward_order_starts_at_the_head_and_gives_a_tied_weight_to_it():
+def test_backward_order_starts_at_the_head_and_gives_a_tied_weight_to_it_named_with_wte():
     model = GPT(GPTConfig.preset("tiny"))
     order = [name for name, _ in backward_order(model)]
     # the tied weight is the head's (first in backward order); the embeddings come last
@@ -28,6 +28,14 @@ def test_backward_order_starts_at_the_head_and_gives_a_tied_weight_to_it():
     assert order.index("h.1.mlp.c_proj") < order.index("h.1.mlp.c_fc") < order.index("h.0.ln_1")
     owned = [id(p) for _, ps in backward_order(model) for p in ps]
     assert sorted(owned) == sorted(id(p) for p in model.parameters())  # each one, once
+    # a non-finite embedding gradient shows in the tied weight: the scan names both owners
+    # and claims no origin (issue 34: it said "lm_head made it" where h.0.ln_1 did)
+    model(torch.randint(0, 256, (2, 8))).float().sum().backward()
+    model.wte.weight.grad[3, 0] = math.nan
+    got = scan(model)
+    assert (got["grad_module"], got["shared_with"], got["grad_incoming_finite"]) == (
+        "lm_head", ["wte"], None,
+    )  # fmt: skip
 
 
 def test_scan_names_the_planted_module_and_infers_its_incoming_gradient_by_hand():
@@ -54,12 +62,20 @@ def _check(tmp_path, precision: str, capsys):
     assert hit and hit[0]["step"] == 4, [(e["monitor"], e["step"]) for e in evs]
     scan_ = hit[0]["extra"]["grad_scan"]
     assert scan_["grad_module"] == "h.1.mlp.c_fc" and scan_["grad_incoming_finite"] is True
-    assert "first non-finite gradient in backward order: h.1.mlp.c_fc" in console
+    # the transient fault does not recur in the step's re-run: the scan's name, said so
+    assert scan_["rerun"] == "finite" and scan_["found_by"] == "scan"
+    assert (
+        "first non-finite gradient: h.1.mlp.c_fc (backward order, from the step's gradients; "
+        "its incoming gradient was finite: it made the non-finite value); the re-run of the "
+        "step was finite"
+    ) in console
     # the step's per-block gradient norms are logged, the non-finite one kept
     h1 = series(read_csv_metrics(tmp_path), "grad_norm/h.1")
     assert any(math.isinf(v) for v in h1.values()), h1
     summary = final_summary(compose_run(tmp_path, BASE), out, evs)
-    assert "first non-finite gradient: h.1.mlp.c_fc at step 4" in "\n".join(summary)
+    assert "first non-finite gradient, at step 4: h.1.mlp.c_fc (backward order" in "\n".join(
+        summary
+    )
     return hit[0]
 
 

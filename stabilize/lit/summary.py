@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from stabilize.lit.stability.grad_scan import origin
 from stabilize.lit.watchdog import STRAGGLER_SHARE
 from stabilize.report.rollbacks import Rollback, rollbacks
 
@@ -111,11 +112,7 @@ def grad_scan_line(events: list[dict[str, Any]]) -> str | None:
     for e in events:
         info = (e.get("extra") or {}).get("grad_scan") or {}
         if info.get("grad_module"):
-            how = "it made it" if info.get("grad_incoming_finite") else "it came in non-finite"
-            return (
-                f"first non-finite gradient: {info['grad_module']} at step {e['step']} "
-                f"(backward order; {how})"
-            )
+            return f"first non-finite gradient, at step {e['step']}: {origin(info)}"
     return None
 
 
@@ -143,7 +140,7 @@ def abort_summary(diagnosis: dict[str, Any], events: list[dict[str, Any]], run_d
         lines.append("  no rollback before it")
     scan = d.get("grad_scan") or {}
     if scan.get("grad_module"):
-        lines.append(f"  first non-finite gradient (backward order): {scan['grad_module']}")
+        lines.append(f"  first non-finite gradient: {origin(scan)}")
     top = d.get("act_max_top") or []
     if top:
         lines.append("  largest |x| at the last step: " + ", ".join(f"{k} {v:.3g}" for k, v in top))

@@ -155,12 +155,14 @@ def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites, ro
     scale = meta["recorded"].get("loss_scale") or 1.0
     scale = scale if scale > 0 else 1.0
     step, world = meta["step"], meta["world_size"]
-    trace = _Trace(model)
     losses, sums = [], None
     inj = None
     if cfg.fault.kind != "none":
         inj = FaultInjector(cfg.fault)  # attached once: its forward hooks are not removable
         inj.attach(model)
+    # after the fault's hooks, as in training: the trace sees what the next module receives
+    # (before, a poisoned embedding was charged to the dropout after it)
+    trace = _Trace(model)
     try:
         for r in ranks:
             if inj is not None:  # as that rank's, with no firing history: it fires
@@ -230,6 +232,20 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.6g}"
 
 
+def backward_words(bwd: dict[str, Any]) -> str:
+    """The replay's backward localization in words (the live console's, grad_scan.origin,
+    name the same module from the same trace)."""
+    name = bwd.get("grad_module")
+    if not name:
+        return "finite"
+    if bwd.get("from_loss"):
+        fwd = bwd.get("from_forward")
+        made = f"the forward's non-finite output (first in {fwd})" if fwd else "the loss"
+        return f"non-finite from the loss on: made by {made}, not in the backward"
+    made = "finite: it made the value" if bwd.get("grad_incoming_finite") else "non-finite"
+    return f"first non-finite gradient in {name} (its incoming gradient {made})"
+
+
 def report(bundle: Path, out: dict[str, Any]) -> list[str]:
     m, rec = out["meta"], out["meta"]["recorded"]
     how = "bit for bit" if out["exact"] else f"within {TOLERANCE:g} relative"
@@ -242,13 +258,7 @@ def report(bundle: Path, out: dict[str, Any]) -> list[str]:
         f"  loss {_fmt(out['loss'])} (recorded {_fmt(rec['loss'])}), grad norm "
         f"{_fmt(out['grad_norm'])} (recorded {_fmt(rec['grad_norm'])}), compared {how}",
         "  forward: " + (f"first non-finite output in {fwd['module']}" if fwd else "finite"),
-        "  backward: "
-        + (
-            f"first non-finite gradient in {bwd['grad_module']} (its incoming gradient "
-            f"{'finite' if bwd.get('grad_incoming_finite') else 'non-finite'})"
-            if bwd.get("grad_module")
-            else "finite"
-        ),
+        "  backward: " + backward_words(bwd),
     ]
     ok = out["same_loss"] and out["same_grad_norm"]
     lines.append(f"reproduces: {'yes' if ok else 'no'}")

@@ -24,12 +24,14 @@ from stabilize.lit.probe import StabilityProbe
 from stabilize.lit.stability import grad_scan
 from stabilize.lit.stability.bundle import write_bundle
 from stabilize.lit.stability.classify import LOCALIZED, Classifier
+from stabilize.lit.stability.console import GAP
 from stabilize.lit.stability.controller import (
     RollbackController,
     load_skipped,
     load_skipped_items,
 )
 from stabilize.lit.stability.gather import HEAD, StepGather
+from stabilize.lit.stability.localize import first_named, locate
 from stabilize.lit.stability.sink import EventSink
 from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
 from stabilize.rollback import RollbackConfig
@@ -66,7 +68,7 @@ class StabilityCallback(L.Callback):
         rep = monitor.replicas
         self.replicas_every = rep.every if monitor.enabled and rep.enabled else 0
         self.probe: StabilityProbe | None = None
-        self._scanned = -1  # the step whose gradients were last scanned (_scan_grads)
+        self._scanned = -(GAP + 1)  # the step whose gradients were last scanned (_scan_grads)
         self._bundled: set[str] = set()  # monitors bundled already (rollback off: once each)
         self._bundled_note = False  # the FSDP "no bundle" line, said once
         self.injector: FaultInjector | None = None
@@ -175,14 +177,14 @@ class StabilityCallback(L.Callback):
         events = self.suite.update(stats)
         self.last = stats
         nonfinite = stats.grad_norm is not None and not math.isfinite(stats.grad_norm)
-        if nonfinite and not _sharded(trainer):  # FSDP: each rank holds a shard's gradients
-            self._scan_grads(pl_module, stats, events)
         bad = [e for e in events if e.kind == ROLLBACK]
         if bad:
             over = [e.layer for e in bad if e.monitor == "overflow"]
             if over:  # every norm that overflowed at this step (the fp32_sites remedy)
                 bad[0].extra["overflowed"] = over
             self._classify(trainer, pl_module, bad)
+        if nonfinite and not _sharded(trainer):  # FSDP: each rank holds a shard's gradients
+            self._scan_grads(trainer, pl_module, stats, events)
         self._bundle(trainer, pl_module, stats, events, bad)
         if bad and self.rollback_on:
             optimizer.zero_grad(set_to_none=True)  # nothing of this step is applied
@@ -232,12 +234,21 @@ class StabilityCallback(L.Callback):
         write_bundle(trainer, pl_module, stats, worth, self._batches, self._positions, self.rcfg,
                      sharded=fsdp)  # fmt: skip
 
-    def _scan_grads(self, pl_module, stats: StepStats, events: list[Event]) -> None:
-        """A non-finite gradient norm (a NaN or inf, an fp16 scaler skip): the step's own
-        gradients, scanned once (grad_scan.py). The module goes into the verdict's message
-        (the console), its extra (events.jsonl, diagnosis.json) and the step's logs."""
+    def _scan_grads(self, trainer, pl_module, stats: StepStats, events: list[Event]) -> None:
+        """A non-finite gradient norm (a NaN or inf, an fp16 scaler skip): where it was made
+        (grad_scan.py). The localization of a ROLLBACK verdict's replay where there is one
+        (``_classify`` ran first); else, on the first non-finite step of an episode, the step
+        re-run with hooks; the step's own gradients scanned once in any case. The module
+        goes into the verdict's message (the console), its extra (events.jsonl,
+        diagnosis.json) and the step's logs."""
         info = grad_scan.scan(pl_module.model, loss_finite=math.isfinite(stats.loss))
         stats.layer_grad_norm = {**stats.layer_grad_norm, **info.pop("block_grad_norm")}
+        located = [e.extra["localization"] for e in events if "localization" in e.extra]
+        if located:
+            info = grad_scan.with_rerun(info, first_named(located[0]))
+        elif abs(stats.step - self._scanned) > GAP:  # the console prints this one in full
+            loc = locate(trainer, pl_module, self._batches, self._positions)
+            info = grad_scan.with_rerun(info, loc)
         self._scanned = stats.step
         for e in events:
             if e.monitor in LOCALIZED or e.kind == ROLLBACK:

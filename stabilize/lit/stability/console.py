@@ -46,22 +46,24 @@ class EventConsole:
             return "would roll back (rollback off)"
         return e.kind.upper()
 
-    def event(self, e: Event) -> None:
-        """One event (rank 0, not ``info``): printed, or counted into its episode."""
+    def event(self, e: Event) -> bool:
+        """One event (rank 0, not ``info``): printed (True: it opens an episode, or is the
+        controller's), or counted into its open episode (False)."""
         if e.monitor == "rollback" or e.kind == "abort":  # the controller's: every one
             self._print(f"{self._head(e)} step {e.step}: {e.message}")
-            return
+            return True
         key = (e.kind, e.monitor)
         ep = self.open.get(key)
         if ep is not None and abs(e.step - ep.last) <= self.gap:
             ep.count += 1
             ep.last = max(ep.last, e.step)
             ep.layers.update([e.layer] if e.layer else [])
-            return
+            return False
         if ep is not None:
             self._close(key)
         self._print(f"{self._head(e)} step {e.step}: {e.message}")
         self.open[key] = Episode(e.step, e.step, layers={e.layer} if e.layer else set())
+        return True
 
     def tick(self, step: int) -> None:
         """The model is at ``step``: episodes whose events stopped are summed up."""

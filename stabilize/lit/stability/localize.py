@@ -11,7 +11,17 @@ gradients back afterwards. With ``trace`` it also localizes:
   parameter; the first module, in backward order, whose gradient went non-finite (the
   gradient it passes to its inputs, or one of its own parameters' gradients), and whether
   its incoming gradient (w.r.t. its output) was finite: a finite incoming gradient means
-  the module made the NaN/inf.
+  the module made the NaN/inf. A tied weight's gradient is seen once, when both uses have
+  accumulated (the embedding's, last), so the head is never charged with a value that
+  came up through a norm's input gradient (issue 34).
+
+Pass-through modules (their output is their input: ``nn.Identity`` for an absent norm,
+dropout at p = 0, the logit softcap when off) are never named: a NaN they carry was made
+elsewhere. A backward whose first named module already received a non-finite gradient
+is marked ``from_loss`` when that module is the first in backward order (the loss's own
+gradient was non-finite: no module made it) and ``from_forward`` (the forward's module,
+the origin) when the forward was non-finite too. The fault's hooks must be attached before the
+trace's, so that the trace sees what the next module receives.
 
 The replay's gradients are this rank's own until ``replay`` all-reduces them (a mean over
 ranks, as DDP does), so that its grad norm speaks of the same thing as the step's.
@@ -39,9 +49,11 @@ class _Trace:
 
     def __init__(self, model: torch.nn.Module):
         self.names = {m: n or "model" for n, m in model.named_modules()}
+        self.passthrough: set[torch.nn.Module] = set()  # output is input: never named
         self.forward: dict[str, Any] = {}
         self.backward: dict[str, Any] = {}
         self.incoming: dict[str, bool] = {}  # module -> its incoming gradient was finite
+        self.first: str | None = None  # the first module the backward reached (the head's)
         self.handles = []
         for m in model.modules():
             self.handles.append(m.register_forward_hook(self._fwd))
@@ -51,11 +63,18 @@ class _Trace:
             self.handles.append(p.register_post_accumulate_grad_hook(self._acc(owner)))
 
     def _fwd(self, module, args, out):
+        if isinstance(out, torch.Tensor) and any(out is a for a in args):
+            self.passthrough.add(module)
+            return
         if not self.forward and not _finite(out):
             self.forward.update(module=self.names[module], input_finite=_finite(args))
 
     def _bwd(self, module, grad_input, grad_output):
+        if module in self.passthrough:
+            return
         name = self.names[module]
+        if self.first is None and any(isinstance(g, torch.Tensor) for g in grad_input):
+            self.first = name  # (the root's hook, with no input gradient, fires before it)
         self.incoming.setdefault(name, _finite(grad_output))
         if not self.backward and not _finite(grad_input):
             self.backward["grad_module"] = name
@@ -72,7 +91,12 @@ class _Trace:
             return {"grad_module": None}
         # the owner's backward hook may come after its parameter's accumulation
         name = self.backward["grad_module"]
-        return {"grad_module": name, "grad_incoming_finite": self.incoming.get(name)}
+        out = {"grad_module": name, "grad_incoming_finite": self.incoming.get(name)}
+        if out["grad_incoming_finite"] is False and name == self.first:
+            out["from_loss"] = True  # the loss's own gradient was non-finite
+            if self.forward:
+                out["from_forward"] = self.forward["module"]
+        return out
 
     def close(self) -> None:
         for h in self.handles:
@@ -150,3 +174,17 @@ def gather_reports(trainer, mine: dict[str, Any]) -> list[dict[str, Any]]:
     every: list[Any] = [None] * trainer.world_size
     torch.distributed.all_gather_object(every, mine)
     return every
+
+
+def first_named(locs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Of every rank's localization, the first that names a module in the backward (the
+    rank that made the value; the others' local gradients were finite), else None."""
+    return next((loc for loc in locs if loc.get("grad_module")), None)
+
+
+def locate(trainer, pl_module, batches, positions) -> dict[str, Any] | None:
+    """The failing step re-run with hooks (its micro-batches, from the live weights: one
+    forward and backward), every rank's localization gathered: ``first_named`` of them.
+    Every rank must call it (the re-run all-reduces its gradients, as DDP does)."""
+    r = replay(trainer, pl_module, batches, positions, trace=True)
+    return first_named(gather_reports(trainer, r["localization"]))

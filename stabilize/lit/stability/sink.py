@@ -34,6 +34,9 @@ STEP_METRICS = {
 }
 
 
+ALERT_WAIT_S = 300  # W&B's wait_duration: alerts of one title, at most one per 5 minutes
+
+
 class EventSink:
     def __init__(self, run_dir: str | Path, rollback_on: bool = True):
         self.run_dir = Path(run_dir)
@@ -53,15 +56,26 @@ class EventSink:
         record = {**e.to_dict(), "global_step": trainer.global_step, **extra}
         with open(self.run_dir / "events.jsonl", "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
-        if e.kind != "info":
-            self.console.event(e)
-        if e.kind in ("warn", "rollback", "abort"):
-            for lg in trainer.loggers:
-                if isinstance(lg, WandbLogger):
-                    level = "WARN" if e.kind in ("warn", "skip") else "ERROR"
-                    lg.experiment.alert(
-                        title=f"{e.kind}: {e.monitor}", text=e.message, level=level, wait_duration=0
-                    )
+        # one W&B alert per episode, as the console prints one line (a 120-step baseline
+        # sent 327 before: each one an e-mail or a Slack message online)
+        opened = e.kind != "info" and self.console.event(e)
+        if opened and e.kind in ("warn", "rollback", "abort"):
+            self._alert(trainer, e)
+
+    @staticmethod
+    def _alert(trainer, e: Event) -> None:
+        """A W&B alert for the first event of an episode. W&B's own ``wait_duration``
+        holds back a second alert of the same title within ``ALERT_WAIT_S`` (episodes of
+        one monitor that flap); the rollback controller's own events are titled by their
+        step, so each rollback and the abort get theirs."""
+        controller = e.monitor == "rollback" or e.kind == "abort"
+        title = f"{e.kind}: {e.monitor}" + (f" at step {e.step}" if controller else "")
+        level = "WARN" if e.kind == "warn" else "ERROR"
+        for lg in trainer.loggers:
+            if isinstance(lg, WandbLogger):
+                lg.experiment.alert(
+                    title=title, text=e.message, level=level, wait_duration=ALERT_WAIT_S
+                )
 
     def log_stats(
         self,
