@@ -42,6 +42,10 @@ SHORT = [
     "audit.every=5",
     "data.batch_size=4",
     "trainer.final_eval_batches=8",  # fp16 forwards are slow on CPU: part of the split
+    # a bundle of each monitor's first verdict (rollback off), of every verdict (on), kept:
+    # the first scaler skip's bundle is replayed against the live name
+    "rollback.bundle=always",
+    "rollback.bundle_keep=-1",
 ]
 
 
@@ -168,6 +172,29 @@ def test_remedy_answers_the_overflow_and_says_what_each_rung_changed(arms):
     assert [e for e in events(d, "nonfinite") if e["global_step"] > last_rb] == []
     assert math.isfinite(s.final_loss) and s.heldout_bpb is not None
     assert "reduce in fp32 from here on" in s.rollback_story[-1]
+
+
+def test_every_arms_live_name_for_its_first_scaler_skip_is_the_replays(arms):
+    """Issue 34: the console named lm_head in every fp16 arm (the references too), the
+    replay of the same step a norm. Each arm's first step with a non-finite gradient, its
+    name in events.jsonl against stabilize-replay's on that step's bundle."""
+    from stabilize.replay.core import replay
+
+    compared = 0
+    for name, d in arms.items():
+        if name == "reference":  # an alias of reference-seed1234
+            continue
+        hit = [e for e in events(d) if (e.get("extra") or {}).get("grad_scan")]
+        if not hit:
+            continue
+        first = hit[0]
+        live = first["extra"]["grad_scan"]
+        assert live["found_by"] == "rerun" and live["grad_module"] != "lm_head", (name, live)
+        (bundle,) = sorted((d / "bundles").glob(f"step-{first['step']:06d}-*"))[:1]
+        out = replay(bundle)
+        assert out["backward"]["grad_module"] == live["grad_module"], (name, out["backward"])
+        compared += 1
+    assert compared >= 3, compared  # the references skip too (fp16 loss scaling)
 
 
 def test_arms_share_one_wandb_group_with_the_same_metric_names(arms):
