@@ -12,8 +12,10 @@ the replayed step (and the head is no norm to switch). A real Lightning run, in-
 from __future__ import annotations
 
 import re
+import shlex
 
 import pytest
+from doc_commands import doc_command
 
 from stabilize.lit.stability.grad_scan import describe, origin
 from stabilize.lit.summary import final_summary, read_events
@@ -21,14 +23,9 @@ from stabilize.replay.core import fails, replay, report
 from stabilize.train import run
 from tests.conftest import FAST, compose_run
 
-README_RUN = [
-    "model=tiny",
-    "norm=rmsnorm",
-    "norm.placement=post",
-    "norm.eps=1e-5",
-    "norm.reduction_dtype=fp16",
-    "precision=fp16-mixed",
-]
+# the README's one-run command as the docs show it (tests/doc_commands.py), its overrides
+# shrunk to 2 steps (FAST after it)
+README_RUN = [a for a in shlex.split(doc_command("one-run"))[1:] if "max_steps" not in a]
 SHRUNK = [*FAST, "trainer.max_steps=2", "logger=none", "rollback.bundle=always"]
 LIVE = re.compile(r"SKIP step (\d+): .*first non-finite gradient: (\S+) \(")
 REPLAYED = re.compile(r"backward: first non-finite gradient in (\S+) ")

@@ -116,8 +116,11 @@ class Fault:
     def trigger(self) -> str:
         """When it fires, in words: what a run that ends with it unfired never did (the
         end-of-run line, ``FaultInjector.outcome``; issue 34 item 5)."""
-        on = "" if self.cfg.rank is None else f" on rank {self.cfg.rank}"
-        return f"at model step {self.cfg.step}{on}"
+        return f"at model step {self.cfg.step}{self.on_rank()}"
+
+    def on_rank(self) -> str:
+        """The words for its rank: " on rank R", or nothing for a fault on every rank."""
+        return "" if self.cfg.rank is None else f" on rank {self.cfg.rank}"
 
     def snapshot_state(self) -> dict:
         """What a rollback rewinds: the fault's course (not the wall-clock firing history)."""

@@ -103,8 +103,7 @@ class PoisonedBatch(Fault):
             )
 
     def trigger(self) -> str:
-        on = "" if self.cfg.rank is None else f" on rank {self.cfg.rank}"
-        return f"when data position {self.cfg.batch} is trained{on}"
+        return f"when data position {self.cfg.batch} is trained{self.on_rank()}"
 
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if self.data_step != self.cfg.batch or not self.mine():
@@ -148,8 +147,7 @@ class PoisonedItem(Fault):
         self.ids = blocks[self.cfg.item][0].clone()
 
     def trigger(self) -> str:
-        on = "" if self.cfg.rank is None else f" on rank {self.cfg.rank}"
-        return f"when training block {self.cfg.item} is drawn into a batch{on}"
+        return f"when training block {self.cfg.item} is drawn into a batch{self.on_rank()}"
 
     def attach(self, model: nn.Module) -> None:
         model.wte.register_forward_hook(self._poison)

@@ -33,7 +33,9 @@ class Warned:
     lead: int | None = None  # steps taken from the warning to the crossing
 
 
-def _taken(e: dict[str, Any]) -> int:
+def taken(e: dict[str, Any]) -> int:
+    """The optimizer steps taken when an event came (Lightning's step, which a rollback does
+    not rewind; the model's step for an event without one)."""
     g = e.get("global_step")
     return int(g if g is not None else e["step"])
 
@@ -52,7 +54,7 @@ def warned(run: Run) -> list[Warned]:
         want = CROSSING.get(line)
         for later in ev[i + 1 :]:
             if later.get("monitor") == want and later.get("layer") == w.layer:
-                w.crossed_at, w.lead = int(later["step"]), _taken(later) - _taken(e)
+                w.crossed_at, w.lead = int(later["step"]), taken(later) - taken(e)
                 break
         out.append(w)
     return out

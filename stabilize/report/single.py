@@ -6,7 +6,8 @@ links: the overflow and its zeros, a collapse to a uniform guess, non-finite gra
 loss), then each rollback's rung and whether it helped. A rung helped when its fault did
 not come back: a later rollback answering the same monitor means it did not (e.g.
 ``lower_lr`` before ``fp32_reduction`` on an overflow that lower LR cannot stop). The last
-rung fixed it when nothing was flagged after it and the run finished. Last, the run's repro
+rung fixed it when no overflow, non-finite value or rollback verdict came after it and the
+run finished. Last, the run's repro
 bundles (``bundles/step-NNNNNN-<monitor>``) and the commands that replay and bisect them.
 """
 
@@ -16,17 +17,14 @@ import json
 from pathlib import Path
 
 from stabilize.report.conclusions import chain_links
+from stabilize.report.forecasts import taken
 from stabilize.report.load import Run
 from stabilize.report.markdown import code, text
 from stabilize.report.rollbacks import rollbacks
-from stabilize.report.summary import ArmSummary
+from stabilize.report.summary import LAST_STEPS, ArmSummary
 
 # events after the last rollback that say the fault is still there
 FAULTS = ("overflow", "nonfinite")
-
-
-def _taken(e: dict) -> int:
-    return int(e.get("global_step") if e.get("global_step") is not None else e.get("step", 0))
 
 
 def _bundles(run: Run) -> list[tuple[Path, str]]:
@@ -87,13 +85,14 @@ def _sentences(run: Run, a: ArmSummary) -> list[str | tuple[str, ...]]:
         elif n < len(rbs):
             out.append(f"{what} answered {monitor}; a different fault followed.")
         else:
-            last = _taken(rb_events[-1]) if rb_events else 0
-            still = [e for e in run.events if _taken(e) > last and (
+            last = taken(rb_events[-1]) if rb_events else 0
+            still = [e for e in run.events if taken(e) > last and (
                 e.get("monitor") in FAULTS or (e.get("kind") == "rollback"
                                                and e.get("monitor") != "rollback"))]  # fmt: skip
             if not still and a.status == "done":
-                out.append(f"{what} fixed it: nothing was flagged after it, and the run reached "
-                           f"step {a.steps} (loss {a.final_loss:.3g}).")  # fmt: skip
+                out.append(f"{what} fixed it: no overflow, non-finite value or rollback verdict "
+                           f"came after it, and the run reached step {a.steps} (mean loss of its "
+                           f"last {LAST_STEPS} steps {a.final_loss:.3g}).")  # fmt: skip
             else:
                 seen = sorted({str(e.get("monitor")) for e in still})
                 out.append(f"{what} did not fix it: after it came {', '.join(seen) or 'no'} "
@@ -105,13 +104,14 @@ def _sentences(run: Run, a: ArmSummary) -> list[str | tuple[str, ...]]:
                         text(" turns the ladder on).")))  # fmt: skip
         else:
             out.append("No remedy was tried.")
-    for d, what in _bundles(run):
+    bundles = _bundles(run)
+    for d, what in bundles:
         out.append((
             text(f"Repro bundle {d} ({what}): "), code(f"stabilize-replay {d}"),
             text(" replays that step; "), code(f"stabilize-replay --bisect {d}"),
             text(" finds the fewest norms whose fp32 reduction clears it."),
         ))  # fmt: skip
-    if links and not _bundles(run):
+    if links and not bundles:
         out.append((text("No repro bundle was kept ("), code("rollback.bundle=fault"),
                     text(" writes one per fault).")))  # fmt: skip
     return out

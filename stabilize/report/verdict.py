@@ -330,7 +330,7 @@ def words(a: ArmSummary, f: Facts, v: Verdict, ref: Reference | None) -> tuple[s
     )
 
 
-HEADER = ["arm", "NaN stopped", "NaN-gradient skips (beyond the reference's)",
+HEADER = ["arm", "NaN stopped", "NaN-gradient skips (all of them, if more than the reference's)",
           "gap: held-out bpb", "gap: last-steps loss", "inside band"]  # fmt: skip
 TAIL = ["what it hides", "verdict"]
 COST = "step time / reference (paired: median, range)"
