@@ -267,6 +267,20 @@ def test_the_cost_column_is_each_arms_round_ratios_median_and_range(scenario, tm
     assert verdicts["baseline"][col] == "not timed"  # not in the measurement: no number
 
 
+def test_an_untimed_arm_that_rolled_back_shows_the_steps_it_took():
+    """The remedy arm is not timed (its step changes with its rung): its cell gives the
+    optimizer steps it took for its model steps, both numbers whole."""
+    from stabilize.report.cost import cost_cells
+    from stabilize.report.summary import ArmSummary
+
+    remedy = ArmSummary(arm="remedy", name="remedy", status="done", steps=120, steps_taken=123)
+    cells = cost_cells({"step_s": {"reference": [1.0, 2.0]}}, {"remedy": ("remedy", remedy)})
+    assert cells == {
+        "reference": "1.00 (1.00-1.00)",
+        "remedy": "not timed; 123 optimizer steps taken for 120 (its rollbacks undid the rest)",
+    }
+
+
 # ---- item 4: the small untruths -------------------------------------------------------------
 def test_the_band_footnote_says_what_is_computed(scenario):
     _, text = scenario

@@ -69,8 +69,8 @@ def cost_cells(cost: dict[str, Any], arms: dict[str, Any]) -> dict[str, str]:
         if arm in r:
             out[name] = cell(r[arm])
         elif a.steps_taken > a.steps:
-            out[name] = f"not timed; {a.steps_taken} optimizer steps taken for {a.steps} (its "
-            "rollbacks undid the rest)"
+            out[name] = (f"not timed; {a.steps_taken} optimizer steps taken for {a.steps} "
+                         "(its rollbacks undid the rest)")  # fmt: skip
         else:
             out[name] = "not timed"
     return out
