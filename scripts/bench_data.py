@@ -37,12 +37,9 @@ from datetime import datetime
 from pathlib import Path
 
 import datasets
-from benchstats import load_average, md_row, md_table
 
-ROOT = Path(__file__).resolve().parents[1]  # not benchlib's: no Lightning in this process
-sys.path.insert(0, str(ROOT))
-
-from stabilize.data import (  # noqa: E402
+from stabilize.bench.stats import load_average, md_row, md_table
+from stabilize.data import (
     ByteTokenizer,
     DataConfig,
     embedded_corpus,
@@ -50,8 +47,10 @@ from stabilize.data import (  # noqa: E402
     stream_dtype,
     train_bpe,
 )
-from stabilize.data.token_file import write_tokens  # noqa: E402
-from stabilize.data.tokenizer import encode_documents, text_batches  # noqa: E402
+from stabilize.data.token_file import write_tokens
+from stabilize.data.tokenizer import encode_documents, text_batches
+
+ROOT = Path(__file__).resolve().parents[1]  # not stabilize.bench.lib's: no Lightning here
 
 WRAP = (
     "import resource, subprocess, sys\n"

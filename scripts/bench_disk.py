@@ -18,8 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import CONFIGS, compose_cfg
-
+from stabilize.bench.lib import CONFIGS, compose_cfg
 from stabilize.train import run
 
 EVERY = 10

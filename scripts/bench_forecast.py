@@ -20,17 +20,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-
-from stabilize.model import GPT, GPTConfig  # noqa: E402
-from stabilize.monitors.forecast import LineForecaster  # noqa: E402
-from stabilize.norms import Norm  # noqa: E402
+from stabilize.model import GPT, GPTConfig
+from stabilize.monitors.forecast import LineForecaster
+from stabilize.norms import Norm
 
 WARMUP = 20
 

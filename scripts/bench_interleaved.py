@@ -28,7 +28,15 @@ from pathlib import Path
 import lightning as L
 import torch
 from bench_step import AUTOCAST, bare_steps
-from benchlib import CONFIGS, add_run_args, compose_cfg, prepare, run_overrides, train_with
+
+from stabilize.bench.lib import (
+    CONFIGS,
+    add_run_args,
+    compose_cfg,
+    prepare,
+    run_overrides,
+    train_with,
+)
 
 TARGET = 0.97
 

@@ -2,7 +2,7 @@
 
 One training run per config, every default monitor and rollback snapshots on throughout; the
 new parts are switched off and on every BLOCK steps in ABBA order (on, off, off, on, ...),
-as scripts/monitor_toggle.py does for the whole stability layer, so a drift of the shared
+as stabilize/bench/monitor_toggle.py does for the whole stability layer, so a drift of the shared
 machine's speed hits both arms alike. "On" is the default config:
 
 - ``monitor.attn_logit``: the attention-logit bound measured on every step (else only on log
@@ -30,10 +30,16 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchlib import CONFIGS, StepClock, compose_cfg, prepare, run_overrides, train_with
-from benchstats import BLOCK, block_means, load_average, print_table, quad_overheads, span
-from monitor_toggle import Toggle
-
+from stabilize.bench.lib import CONFIGS, StepClock, compose_cfg, prepare, run_overrides, train_with
+from stabilize.bench.monitor_toggle import Toggle
+from stabilize.bench.stats import (
+    BLOCK,
+    block_means,
+    load_average,
+    print_table,
+    quad_overheads,
+    span,
+)
 from stabilize.lit.stability import StabilityCallback
 
 NEW = ("attn_logit", "attn_entropy", "log_z")

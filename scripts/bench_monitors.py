@@ -54,7 +54,7 @@ Each is shown as a multiple of the off-arm's median step time (target: rollback 
 On a busy 2-core machine two OpenMP threads stall whenever another job holds a core: the
 header prints the load average; use --threads 1 there.
 
-The verdict comes from a third measurement, in one run (scripts/monitor_toggle.py): the
+The verdict comes from a third measurement, in one run (stabilize/bench/monitor_toggle.py): the
 monitors switched off and on every 10 steps in ABBA order, so the machine's drifts hit both.
 ``--replicas-steps N`` measures only the replica fingerprint the same way (monitors on in
 every block; the fingerprint every 10 steps in "on" blocks, as ``monitor.replicas.every``
@@ -64,9 +64,10 @@ Usage: python scripts/bench_monitors.py [--quick] [--steps 100] [--warmup 10] [-
        [--configs tiny,small[,125m]] [--precision fp32] [--logger wandb|none] [--threads N]
        [--toggle-steps 800]
 
-Files: this one runs the pairs; monitor_clock.py times the parts and the snapshot / restore,
-monitor_toggle.py the in-run toggle, monitor_report.py prints the tables and verdicts; the
-harness (benchlib.py) and the robust statistics (benchstats.py) are shared with the others.
+Files: this one runs the pairs; in stabilize/bench/, monitor_clock.py times the parts and the
+snapshot / restore, monitor_toggle.py the in-run toggle, monitor_report.py prints the tables
+and verdicts; the harness (lib.py) and the robust statistics (stats.py) are shared with the
+other benchmarks.
 """
 
 from __future__ import annotations
@@ -77,14 +78,13 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from benchlib import CONFIGS as BASE_CONFIGS  # (sets the offline environment)
-from benchlib import add_run_args, compose_cfg, prepare, run_overrides, train_with
-from benchstats import block_overhead, window_blocks
-from monitor_clock import PARTS, BenchClock
-from monitor_report import report
-from monitor_toggle import FingerprintToggle, toggle_bench
-
-from stabilize.lit.config import RunConfig
+from stabilize.bench.lib import CONFIGS as BASE_CONFIGS  # (sets the offline environment)
+from stabilize.bench.lib import add_run_args, compose_cfg, prepare, run_overrides, train_with
+from stabilize.bench.monitor_clock import PARTS, BenchClock
+from stabilize.bench.monitor_report import report
+from stabilize.bench.monitor_toggle import FingerprintToggle, toggle_bench
+from stabilize.bench.stats import block_overhead, window_blocks
+from stabilize.run.config import RunConfig
 
 CONFIGS = {
     **BASE_CONFIGS,
@@ -187,7 +187,7 @@ def replicas_bench(name: str, args, tmp: Path) -> None:
     """The replica fingerprint's overhead inside one run (ABBA blocks), and its own time."""
     import time
 
-    from stabilize.lit.stability.gather import fingerprint, fingerprint_chunks
+    from stabilize.stability.gather import fingerprint, fingerprint_chunks
 
     warm = args.warmup
     common = run_overrides(CONFIGS[name], args.precision, warm + args.replicas_steps, args.logger)

@@ -38,10 +38,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchstats import load_average, md_table, quartiles
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a bare checkout
-from stabilize.norms import (  # noqa: E402
+from stabilize.bench.stats import load_average, md_table, quartiles
+from stabilize.norms import (
     BACKENDS,
     NORM_TYPES,
     REDUCTION_DTYPES,
@@ -49,7 +48,7 @@ from stabilize.norms import (  # noqa: E402
     build_norm,
     has_cpp_compiler,
 )
-from stabilize.numerics import DTYPES  # noqa: E402
+from stabilize.numerics import DTYPES
 
 LIMIT = 1.10  # T1 and T2 both allow 10%
 NOISY = 0.5  # interquartile range above half the median: the verdict is not to be trusted

@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import lightning as L  # noqa: E402
-from benchlib import ROOT, compose_cfg, mute_progress  # noqa: E402  (sets the environment)
+import lightning as L
 
-from stabilize.lit.stability import StabilityCallback  # noqa: E402
-from stabilize.rollback.sharded import host_bytes  # noqa: E402
+from stabilize.bench.lib import ROOT, compose_cfg, mute_progress  # (sets the environment)
+from stabilize.lit.stability import StabilityCallback
+from stabilize.rollback.sharded import host_bytes
 
 CONFIGS = {
     "125m": ["model=gpt-125m", "model.block_size=128", "data.batch_size=2"],

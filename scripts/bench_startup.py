@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchstats import load_average, print_table, span
+from stabilize.bench.stats import load_average, print_table, span
 
 ONE_STEP = [
     "trainer.max_steps=1",

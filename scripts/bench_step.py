@@ -47,15 +47,22 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-from benchlib import CONFIGS as BASE_CONFIGS  # (sets the offline environment)
-from benchlib import StepClock, add_run_args, compose_cfg, prepare, run_overrides, train_with
-from benchstats import print_table, span
 
+from stabilize.bench.lib import CONFIGS as BASE_CONFIGS  # (sets the offline environment)
+from stabilize.bench.lib import (
+    StepClock,
+    add_run_args,
+    compose_cfg,
+    prepare,
+    run_overrides,
+    train_with,
+)
+from stabilize.bench.stats import print_table, span
 from stabilize.data import build_dataloaders
 from stabilize.lit.build import resolve_accelerator
-from stabilize.lit.config import RunConfig
 from stabilize.lit.module import lr_factor, param_groups
 from stabilize.model import GPT
+from stabilize.run.config import RunConfig
 
 CONFIGS = BASE_CONFIGS
 AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}

@@ -23,23 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from stabilize.bench.docblock import commit, cpu, replace_block
+from stabilize.bench.drills import DRILL_MONITORS
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from docblock import commit, cpu, replace_block  # noqa: E402
 
 STEPS = 12
-# Snapshots every 2 steps and a grad-spike verdict that rolls back only on a 100x jump
-# (never on the tiny model's ordinary steps): the fault drills here and the fault tests
-# (tests/test_stability.py) share these.
-DRILL_MONITORS = [
-    "rollback.snapshot_every=2",
-    "rollback.durable_every=0",
-    "monitor.grad_spike.warmup=6",
-    "monitor.grad_spike.window=20",
-    "monitor.grad_spike.min_ratio=100",
-    "monitor.grad_spike.action=rollback",
-    "monitor.loss_spike.enabled=false",
-]
 COMMON = [
     f"trainer.max_steps={STEPS}",
     "trainer.log_every_n_steps=1",

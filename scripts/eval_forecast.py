@@ -3,7 +3,7 @@
     python scripts/eval_forecast.py [--quick | --core] [--save runs.json | --load runs.json]
                                     [--set monitor.activation.KEY=VALUE ...] [--doc DOC]
 
-The set (scripts/forecast_set.py): natural growth (``nan_repro_natural``, no injection, at
+The set (stabilize/bench/forecast_set.py): natural growth (``nan_repro_natural``, no injection, at
 LR 1e-2 / 3e-2 / 1e-1), the injected drift (``activation_drift``) and healthy runs, on every
 placement (pre, post, sandwich, DeepNorm), two widths and depths, three norm types, two
 corpora, fp32 and a real fp16 reduction; ``--core`` is the first 24 runs (tiny, pre/post),
@@ -36,24 +36,31 @@ from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
+import lightning as L
+import torch
 
-from stabilize.monitors.activations import ActivationConfig  # noqa: E402
-from stabilize.monitors.forecast_score import (  # noqa: E402
+from stabilize.bench.docblock import commit, cpu, replace_block
+from stabilize.bench.forecast_set import (
+    BASE,
+    CODE,
+    code_corpus,
+    core,
+    holdout,
+    holdout2,
+    holdout3,
+    tags,
+    wide,
+)
+from stabilize.bench.forecast_tables import relabel_crossed, report, score, truth_units
+from stabilize.monitors.activations import ActivationConfig
+from stabilize.monitors.forecast_score import (
     RunScore,
     first_crossings,
 )
-from stabilize.norms import Norm  # noqa: E402
+from stabilize.norms import Norm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from docblock import commit, cpu, replace_block  # noqa: E402
-from forecast_set import BASE, CODE, code_corpus, core, holdout, holdout2, holdout3, tags, wide  # noqa: E402  # noqa: E402
-from forecast_tables import relabel_crossed, report, score, truth_units  # noqa: E402
-
-# the holdouts, each recorded before and scored after one change (scripts/forecast_set.py)
+# the holdouts, each recorded before and scored after one change (stabilize/bench/forecast_set.py)
 HOLDOUTS = {"holdout": holdout, "holdout2": holdout2, "holdout3": holdout3}
 
 
@@ -120,8 +127,8 @@ def record(group: str, name: str, overrides: list[str], root: Path) -> dict:
     from omegaconf import OmegaConf
 
     import stabilize.train  # noqa: F401  (the config's resolvers)
-    from stabilize.lit.config import RunConfig
     from stabilize.paths import config_dir
+    from stabilize.run.config import RunConfig
     from stabilize.train import run
 
     run_dir = root / name

@@ -23,15 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forecast_set import core, holdout, holdout2, holdout3, tags, wide  # noqa: E402
-from forecast_tables import relabel_crossed, score, truth_units  # noqa: E402
-
-import stabilize.monitors.forecast as F  # noqa: E402
-from stabilize.monitors.activations import ActivationConfig, ActivationMonitor  # noqa: E402
-from stabilize.monitors.events import StepStats  # noqa: E402
-from stabilize.monitors.forecast_score import first_crossings, row_metrics  # noqa: E402
+import stabilize.monitors.forecast as F
+from stabilize.bench.forecast_set import core, holdout, holdout2, holdout3, tags, wide
+from stabilize.bench.forecast_tables import relabel_crossed, score, truth_units
+from stabilize.monitors.activations import ActivationConfig, ActivationMonitor
+from stabilize.monitors.events import StepStats
+from stabilize.monitors.forecast_score import first_crossings, row_metrics
 
 RANGES = (("steps <= 8", 0, 8), ("steps 9-20", 9, 20), ("steps > 20", 21, 10**9))
 

@@ -49,7 +49,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from stabilize.lit.stability.controller import RollbackController
+from stabilize.stability.controller import RollbackController
 from stabilize.plan.cli import compose_run
 from stabilize.train import run
 

@@ -17,11 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from docblock import cpu, replace_block  # noqa: E402
-
-from stabilize.map.report import write_report  # noqa: E402
-from stabilize.map.spec import load_spec  # noqa: E402
+from stabilize.bench.docblock import cpu, replace_block
+from stabilize.map.report import write_report
+from stabilize.map.spec import load_spec
 
 
 def block(root: Path, command: str, figures: str) -> str:

@@ -22,12 +22,10 @@ from pathlib import Path
 import lightning as L
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import CONFIGS, compose_cfg, run_overrides, train_with  # noqa: E402
-
-import stabilize.lit.probe as P  # noqa: E402
-import stabilize.lit.stability.callback as CB  # noqa: E402
-from stabilize.model.gpt import GPT  # noqa: E402
+import stabilize.lit.stability as CB
+import stabilize.stability.probe as P
+from stabilize.bench.lib import CONFIGS, compose_cfg, run_overrides, train_with
+from stabilize.model.gpt import GPT
 
 spent: collections.defaultdict[str, float] = collections.defaultdict(float)
 calls: collections.Counter[str] = collections.Counter()

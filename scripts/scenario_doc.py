@@ -16,8 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from docblock import commit, cpu, replace_block  # noqa: E402
+from stabilize.bench.docblock import commit, cpu, replace_block
 
 SECTIONS = ("## Per arm", "## Against the reference", "## Conclusions", "## Forecast warnings")
 

@@ -41,12 +41,12 @@ from stabilize.exits import (
     file_error,
     one_line,
 )
-from stabilize.lit.rundir import RunDirError, check_name, claim, elastic_resume, unlock_all
 from stabilize.paths import config_dir
+from stabilize.run.rundir import RunDirError, check_name, claim, elastic_resume, unlock_all
 from stabilize.validate import ConfigError
 
 if TYPE_CHECKING:
-    from stabilize.lit.config import RunConfig
+    from stabilize.run.config import RunConfig
 
 CONFIG_DIR = config_dir()
 
@@ -122,7 +122,7 @@ def _stability_abort() -> type[BaseException]:
     """``StabilityAbort``, imported only when an exception reaches ``_app``'s handler for
     it (an ``except`` clause's expression is evaluated only then), so a config error does
     not load Lightning to test against it."""
-    from stabilize.lit.stability import StabilityAbort
+    from stabilize.stability import StabilityAbort
 
     return StabilityAbort
 
@@ -182,7 +182,7 @@ def _app(cfg: DictConfig) -> float | None:
             raise ConfigError(str(e)) from e
         if group and not values["logger"].get("group"):
             values["logger"]["group"] = group
-        from stabilize.lit.preflight import build_config  # torch, data: not for --help
+        from stabilize.run.preflight import build_config  # torch, data: not for --help
 
         cfg_run = build_config(values)
         result = run(cfg_run)  # run() checks the rest before it writes
@@ -191,7 +191,7 @@ def _app(cfg: DictConfig) -> float | None:
         _fail(EXIT_CONFIG, one_line(str(e)), every_rank=True)
     except _stability_abort() as e:
         if _rank() == 0:
-            from stabilize.lit.summary import abort_summary, read_events
+            from stabilize.run.summary import abort_summary, read_events
 
             lines = abort_summary(e.diagnosis, read_events(cfg_run.run_dir), cfg_run.run_dir)
             print("\n".join(lines), file=sys.stderr, flush=True)
@@ -202,7 +202,7 @@ def _app(cfg: DictConfig) -> float | None:
         _fail(EXIT_CRASH, file_error(e), every_rank=True)
     m = result["metrics"]
     if _rank() == 0 and not result.get("nothing_to_train"):
-        from stabilize.lit.summary import final_summary, read_events
+        from stabilize.run.summary import final_summary, read_events
 
         lines = final_summary(cfg_run, result, read_events(result["run_dir"]))
         print("\n".join(lines), flush=True)

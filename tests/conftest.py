@@ -43,7 +43,7 @@ def compose_run(run_dir, overrides=()):
     from omegaconf import OmegaConf
 
     import stabilize.train  # noqa: F401  registers the resolvers the config uses
-    from stabilize.lit.config import RunConfig
+    from stabilize.run.config import RunConfig
 
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=[f"run_dir={run_dir}", *overrides])

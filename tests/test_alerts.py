@@ -9,7 +9,7 @@ controller's own are one each).
 
 from __future__ import annotations
 
-from stabilize.lit.summary import read_events
+from stabilize.run.summary import read_events
 from stabilize.train import run
 from stabilize.wandb_offline import find_offline_runs, read_offline_run
 from tests.conftest import FAST, compose_run

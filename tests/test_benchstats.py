@@ -1,16 +1,11 @@
-"""The benchmarks' shared statistics and tables (scripts/benchstats.py), and the size rule
+"""The benchmarks' shared statistics and tables (stabilize/bench/stats.py), and the size rule
 for the scripts that use them (issue 10: no script over ~300 lines)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from benchstats import (  # noqa: E402
+from stabilize.bench.stats import (  # noqa: E402
     BLOCK,
     block_overhead,
     md_table,
@@ -18,6 +13,8 @@ from benchstats import (  # noqa: E402
     span,
     window_blocks,
 )
+
+from conftest import ROOT
 
 
 def test_md_table_prints_the_scripts_markdown():

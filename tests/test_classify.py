@@ -13,10 +13,10 @@ import pytest
 import torch
 from test_stability import BASE, events, kinds
 
-from stabilize.lit.stability.gather import fingerprint, fingerprint_chunks, join_chunks
 from stabilize.monitors import Event
 from stabilize.monitors.replicas import divergent
 from stabilize.rollback import RollbackConfig, RollbackPolicy, Snapshot, SnapshotRing
+from stabilize.stability.gather import fingerprint, fingerprint_chunks, join_chunks
 from stabilize.train import run
 
 from conftest import compose_run

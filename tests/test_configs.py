@@ -14,7 +14,12 @@ from omegaconf import OmegaConf
 
 from stabilize.data import DataConfig
 from stabilize.faults import fault_config
-from stabilize.lit.config import (
+from stabilize.model import GPTConfig
+from stabilize.model.config import PRESETS
+from stabilize.monitors import MonitorConfig
+from stabilize.norms import NORM_TYPES, NormConfig
+from stabilize.rollback import RollbackConfig
+from stabilize.run.config import (
     AuditConfig,
     LoggerConfig,
     OptimConfig,
@@ -22,11 +27,6 @@ from stabilize.lit.config import (
     RunConfig,
     TrainerConfig,
 )
-from stabilize.model import GPTConfig
-from stabilize.model.config import PRESETS
-from stabilize.monitors import MonitorConfig
-from stabilize.norms import NORM_TYPES, NormConfig
-from stabilize.rollback import RollbackConfig
 
 from conftest import compose_run
 

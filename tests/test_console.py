@@ -10,7 +10,7 @@ import re
 import lightning as L
 import pytest
 
-from stabilize.lit.summary import final_summary, read_events
+from stabilize.run.summary import final_summary, read_events
 from stabilize.train import run
 
 from conftest import FAST, compose_run, run_cli

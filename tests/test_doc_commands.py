@@ -135,7 +135,7 @@ def test_the_commands_for_docker_w_and_b_and_the_api_are_what_the_tools_take():
     assert "repro_nan.sh" in dockerfile.split("CMD")[-1]
     assert shlex.split(COMMANDS["wandb-login"]) == ["wandb", "login"]
     assert (Path(sys.executable).parent / "wandb").is_file()  # the CLI the package installs
-    from stabilize.report import _parse
+    from stabilize.report.cli import _parse
 
     args = _parse(shlex.split(COMMANDS["report-wandb"])[1:])
     assert (args.wandb, args.group) == ("ENTITY/PROJECT", "nan_repro")

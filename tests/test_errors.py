@@ -20,8 +20,8 @@ import torch
 
 from stabilize.exits import file_error, meaning, one_line
 from stabilize.launch import exit_code
-from stabilize.lit.config import RunConfig
 from stabilize.report import main as report_main
+from stabilize.run.config import RunConfig
 from stabilize.train import main, relaunch_subdir
 
 from conftest import FAST, run_cli
@@ -157,7 +157,7 @@ def test_a_dir_holding_a_run_keeps_its_files_on_a_config_error(tmp_path, monkeyp
     (run / "csv" / "version_0").mkdir(parents=True)
     (run / "config.json").write_text("{}")
     (run / "csv" / "version_0" / "metrics.csv").write_text("step\n1\n")
-    (run / "checkpoints").mkdir()  # resume=auto needs one to go on from (lit/rundir.py)
+    (run / "checkpoints").mkdir()  # resume=auto needs one to go on from (run/rundir.py)
     (run / "checkpoints" / "last.ckpt").write_bytes(b"checked after the settings")
     (run / ".hydra").mkdir()  # the run's first launch's record: what the report names it by
     (run / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.001\n")
@@ -239,7 +239,7 @@ def test_one_line_and_meanings():
 
 
 def test_floats_are_finite_also_when_built_in_code():
-    from stabilize.lit.config import OptimConfig
+    from stabilize.run.config import OptimConfig
 
     with pytest.raises(ValueError, match=r"optim.lr=inf is not allowed; must be a positive finite"):
         OptimConfig(lr=float("inf"))

@@ -28,10 +28,10 @@ from test_errors import BASE, ROLLBACK_EVENTS, _run_dir, cli, one_message, tree
 from stabilize.data import DataConfig, load_corpus
 from stabilize.data.corpus import undecodable
 from stabilize.io import verify
-from stabilize.lit.config import LoggerConfig, RunConfig
-from stabilize.lit.preflight import check_wandb_login
 from stabilize.report import main as report_main
 from stabilize.report import markdown
+from stabilize.run.config import LoggerConfig, RunConfig
+from stabilize.run.preflight import check_wandb_login
 from stabilize.train import run
 from stabilize.validate import ConfigError
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from stabilize.data.cache import open_token_cache
-from stabilize.lit.config import RunConfig
 from stabilize.model import GPT
 from stabilize.report.summary import LAST_STEPS, last_steps_mean
+from stabilize.run.config import RunConfig
 from stabilize.train import run
 
 from conftest import FAST, compose_run, read_csv_metrics

@@ -1,4 +1,4 @@
-"""scripts/forecast_tables.py's noise line and near misses on synthetic runs whose kind is
+"""stabilize/bench/forecast_tables.py's noise line and near misses on synthetic runs whose kind is
 known by construction: a random walk's segments read as its simulated reference, independent
 noise as its own, and a warning is a near miss exactly when its layer rose past half its line
 within the horizon (by hand)."""
@@ -6,14 +6,10 @@ within the horizon (by hand)."""
 from __future__ import annotations
 
 import re
-import sys
 
 import numpy as np
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from forecast_tables import near_warnings, noise_growth, recall_by_step  # noqa: E402
+from stabilize.bench.forecast_tables import near_warnings, noise_growth, recall_by_step  # noqa: E402
 
 
 def _run(logs: list[np.ndarray]) -> dict:
@@ -80,7 +76,7 @@ def test_recall_by_step_splits_early_crossings_from_later_ones_by_hand():
 
 def test_a_healthy_labelled_run_that_crossed_is_scored_as_natural():
     """Only a run labelled healthy whose truth crossed a line moves; the input is not changed."""
-    from forecast_tables import relabel_crossed
+    from stabilize.bench.forecast_tables import relabel_crossed
 
     runs = [{"name": "h0", "group": "healthy"}, {"name": "h1", "group": "healthy"},
             {"name": "n0", "group": "natural"}]  # fmt: skip

@@ -26,10 +26,9 @@ def test_script_parses_and_prints_help():
 
 
 def test_the_cost_stage_configs_compose_for_both_benchmarks(tmp_path):
-    """Stage 4 (``--cost``) runs bench_interleaved.py and bench_monitors.py on benchlib's
+    """Stage 4 (``--cost``) runs bench_interleaved.py and bench_monitors.py on stabilize.bench.lib's
     gpt-125m config in bf16-mixed: both compose into that run here (no GPU needed)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from benchlib import CONFIGS, compose_cfg, run_overrides
+    from stabilize.bench.lib import CONFIGS, compose_cfg, run_overrides
 
     text = SCRIPT.read_text()
     assert "--configs gpt-125m --precision bf16-mixed" in text
@@ -76,7 +75,7 @@ def test_snippets_compile_and_import_names_that_exist(snippets, name):
         for alias in node.names:
             assert hasattr(module, alias.name), f"{node.module}.{alias.name}"
     if name == "train":  # the clock wraps this method of the controller
-        from stabilize.lit.stability.controller import RollbackController
+        from stabilize.stability.controller import RollbackController
 
         assert callable(RollbackController.snapshot)
 

@@ -1,5 +1,5 @@
 """Live localization of a non-finite gradient from the failing step's own gradients
-(stabilize/lit/stability/grad_scan.py): a transient fault does not recur in a replay, so
+(stabilize/stability/grad_scan.py): a transient fault does not recur in a replay, so
 only the step itself can name where it started. Real Lightning runs on CPU; the reference
 is the parameter the fault was planted on."""
 
@@ -10,9 +10,9 @@ import math
 import torch
 from torch import nn
 
-from stabilize.lit.stability.grad_scan import backward_order, scan
-from stabilize.lit.summary import final_summary, read_events
 from stabilize.model import GPT, GPTConfig
+from stabilize.run.summary import final_summary, read_events
+from stabilize.stability.grad_scan import backward_order, scan
 from stabilize.train import run
 from tests.conftest import FAST, compose_run, read_csv_metrics, series
 

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from stabilize.lit.summary import changed_config
 from stabilize.model import GPT, GPTConfig
 from stabilize.monitors.events import Event
 from stabilize.norms import set_reduction_dtype
 from stabilize.rollback import RollbackConfig, RollbackPolicy, Snapshot, SnapshotRing
 from stabilize.rollback.remedies import LowerLRConfig, get_remedy, lr_scale_at
+from stabilize.run.summary import changed_config
 from stabilize.train import run
 
 from conftest import FAST, compose_run, read_csv_metrics

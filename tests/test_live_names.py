@@ -17,9 +17,9 @@ import shlex
 import pytest
 from doc_commands import doc_command
 
-from stabilize.lit.stability.grad_scan import describe, origin
-from stabilize.lit.summary import final_summary, read_events
 from stabilize.replay.core import fails, replay, report
+from stabilize.run.summary import final_summary, read_events
+from stabilize.stability.grad_scan import describe, origin
 from stabilize.train import run
 from tests.conftest import FAST, compose_run
 

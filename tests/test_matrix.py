@@ -14,9 +14,9 @@ import math
 
 import pytest
 
-from stabilize.lit.config import PRECISIONS
 from stabilize.norms import NORM_TYPES
 from stabilize.norms.config import PLACEMENTS
+from stabilize.run.config import PRECISIONS
 from stabilize.train import run
 
 from conftest import FAST, compose_run

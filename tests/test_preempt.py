@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from stabilize.exits import EXIT_PREEMPTED
-from stabilize.lit.checkpoint import checkpoint_steps
+from stabilize.run.rundir import checkpoint_steps
 from stabilize.train import run
 
 from conftest import FAST, ROOT, compose_run, csv_losses, launch_sh, run_cli

@@ -19,11 +19,11 @@ import lightning as L
 import pytest
 import torch
 
-from stabilize.lit.probe import StabilityProbe
 from stabilize.model import GPT, GPTConfig
 from stabilize.norms import Norm, get_norm_type
 from stabilize.report import load_run_dir
 from stabilize.report.summary import summarize
+from stabilize.stability.probe import StabilityProbe
 from stabilize.train import run
 
 from conftest import FAST, compose_run, read_csv_metrics

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from stabilize.lit.probe import StabilityProbe
 from stabilize.model import GPT, GPTConfig, set_activation_checkpointing
 from stabilize.norms import Norm
+from stabilize.stability.probe import StabilityProbe
 from stabilize.train import run
 
 from conftest import compose_run
@@ -108,7 +108,7 @@ def test_activation_checkpointing_changes_no_number_the_monitors_or_the_optimize
 def test_the_attention_hooks_run_once_per_micro_batch_under_checkpointing(monkeypatch):
     """The q/k hooks inside a Block (attention bound, head entropy) are not run again by the
     recompute: as many measurements with checkpointing as without, the same numbers."""
-    import stabilize.lit.probe as probe_mod
+    import stabilize.stability.probe as probe_mod
 
     calls = [0]
     real = probe_mod.sampled_queries

@@ -1,4 +1,4 @@
-"""Repro bundles (lit/stability/bundle.py) and ``stabilize-replay`` (stabilize/replay/):
+"""Repro bundles (stability/bundle.py) and ``stabilize-replay`` (stabilize/replay/):
 a bundle written by a real run replays in another process; fp32 on CPU bit for bit against
 what the run recorded, a 2-rank DDP run within the stated tolerance; a damaged bundle is
 one line and exit 2."""
@@ -6,17 +6,14 @@ one line and exit 2."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
+from stabilize.bench.drills import DRILL_MONITORS
 from stabilize.replay import replay
 from stabilize.train import run
 
-from conftest import FAST, ROOT, compose_run, launch_sh, run_cli
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from drills import DRILL_MONITORS  # noqa: E402  (a grad-spike verdict that rolls back)
+from conftest import FAST, compose_run, launch_sh, run_cli
 
 BASE = [*FAST, "logger=none", "trainer.max_steps=10", "trainer.val_check_interval=100",
         "trainer.checkpoint_every_n_steps=100", *DRILL_MONITORS]  # fmt: skip
@@ -99,8 +96,8 @@ def test_a_bundle_of_an_older_version_replays_without_its_retired_settings(spike
     bit for bit. Any other unknown key is still refused."""
     import shutil
 
-    from stabilize.lit.config import RunConfig
-    from stabilize.lit.stability.bundle import sha256
+    from stabilize.run.config import RunConfig
+    from stabilize.stability.bundle import sha256
     from stabilize.validate import ConfigError
 
     old = tmp_path / spiked.name

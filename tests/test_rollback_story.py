@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from stabilize.lit.stability import StabilityAbort
 from stabilize.report import load_run_dir
 from stabilize.report.rollbacks import rollbacks
+from stabilize.stability import StabilityAbort
 from stabilize.train import run
 
 from conftest import FAST, compose_run

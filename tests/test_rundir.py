@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from stabilize.io import FOOTER_LEN, DamagedFile, atomic_torch_save, verified_load, verify
-from stabilize.lit.checkpoint import checkpoint_steps, resolve_resume
-from stabilize.lit.rundir import RunDirError
+from stabilize.lit.checkpoint import resolve_resume
+from stabilize.run.rundir import RunDirError, checkpoint_steps
 from stabilize.train import run
 
 from conftest import FAST, compose_run, csv_losses, run_cli

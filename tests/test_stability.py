@@ -13,15 +13,13 @@ import lightning as L
 import pytest
 import torch
 
-from stabilize.lit.stability import StabilityAbort
+from stabilize.bench.drills import DRILL_MONITORS
 from stabilize.rollback import load_durable
 from stabilize.rollback.state import TrainState
+from stabilize.stability import StabilityAbort
 from stabilize.train import run
 
-from conftest import FAST, ROOT, compose_run, launch_sh, read_csv_metrics, run_cli, series
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from drills import DRILL_MONITORS  # noqa: E402  (the fault drills' monitor settings)
+from conftest import FAST, compose_run, launch_sh, read_csv_metrics, run_cli, series
 
 BASE = [
     *FAST,
@@ -481,8 +479,8 @@ def test_resume_after_a_lower_lr_rollback_continues_like_the_uninterrupted_run(t
 def test_probe_block_and_norm_maxima_match_a_direct_measurement(placement):
     """Whatever tensor the probe reads (its own block hook, or the next norm's input for
     pre-norm, where they are the same tensor), it must equal |x| max measured directly."""
-    from stabilize.lit.probe import StabilityProbe
     from stabilize.model import GPT, GPTConfig
+    from stabilize.stability.probe import StabilityProbe
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", norm={"placement": placement, "backend": "explicit"}))
@@ -510,9 +508,9 @@ def test_probe_folds_micro_batches_and_counts_overflowed_rows_like_a_float64_ref
     step, maxima by max and counts by +, checked per norm against the norms' captured
     inputs measured in float64 here. Then reset, the attention hooks only on detailed
     steps, and remove() leaving the model as it was."""
-    from stabilize.lit.probe import StabilityProbe
     from stabilize.model import GPT, GPTConfig
     from stabilize.norms import Norm
+    from stabilize.stability.probe import StabilityProbe
 
     torch.manual_seed(0)
     cfg = GPTConfig.preset(

@@ -11,10 +11,10 @@ import lightning as L
 import pytest
 import torch
 
-from stabilize.lit.config import PRECISIONS, OptimConfig
 from stabilize.lit.module import lr_factor, param_groups
 from stabilize.model import GPT, GPTConfig
 from stabilize.norms import NORM_TYPES
+from stabilize.run.config import PRECISIONS, OptimConfig
 from stabilize.train import run
 from stabilize.wandb_offline import find_offline_runs, read_offline_run
 

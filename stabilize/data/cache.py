@@ -51,7 +51,7 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 # Entries this process has checked -> the stat of their files then: the start-up check
-# (lit/preflight.py) and the run's loaders open the same entry, and the second open maps it
+# (run/preflight.py) and the run's loaders open the same entry, and the second open maps it
 # without reading every byte again (any write to a file changes its stat: checked again).
 _CHECKED: dict[Path, tuple] = {}
 

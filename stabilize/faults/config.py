@@ -53,7 +53,7 @@ class FaultConfig:
             )
         check_positive("fault.step", self.step, integer=True)
         # The upper bounds (max_steps, the world size) are checked where they are known:
-        # RunConfig and the start-up checks (stabilize/lit/preflight.py).
+        # RunConfig and the start-up checks (stabilize/run/preflight.py).
         if self.rank is not None and (
             isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0
         ):

@@ -32,9 +32,9 @@ import lightning as L
 import torch
 
 from stabilize.compat import batches_that_stepped
-from stabilize.lit.config import AuditConfig
 from stabilize.lit.fsdp import is_sharded
 from stabilize.norms import Norm, get_norm_type
+from stabilize.run.config import AuditConfig
 
 FLAT_TOLERANCE = 0.05  # |output norm / sqrt(D) - 1| above this: flattened
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from datetime import timedelta
 
 import lightning as L
@@ -17,12 +16,13 @@ from stabilize.compat import wandb_init_kwargs
 from stabilize.lit.audit import NormAudit
 from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
-from stabilize.lit.config import LoggerConfig, PrecisionConfig, RunConfig, TrainerConfig
 from stabilize.lit.fsdp import fsdp_strategy
 from stabilize.lit.preempt import build as preempt_callback
 from stabilize.lit.progress import PlainProgress, StepBar
 from stabilize.lit.stability import StabilityCallback
 from stabilize.lit.watchdog import build as watchdog_callback
+from stabilize.run.config import LoggerConfig, PrecisionConfig, RunConfig, TrainerConfig
+from stabilize.run.env import LaunchEnv
 
 COMPUTE_DTYPE = {
     "fp32": torch.float32,
@@ -52,25 +52,6 @@ def precision_args(cfg: PrecisionConfig, accelerator: str) -> tuple[str | None, 
         )
         return None, [MixedPrecision("16-mixed", device, scaler=scaler)]
     return {"fp32": "32-true", "bf16-mixed": "bf16-mixed", "bf16-true": "bf16-true"}[cfg.name], []
-
-
-@dataclass
-class LaunchEnv:
-    """Where this process sits: under torchrun, Lightning spawns nothing and reads these."""
-
-    world_size: int
-    rank: int
-    local_world_size: int
-
-    @classmethod
-    def detect(cls) -> LaunchEnv:
-        env = os.environ
-        world = int(env.get("WORLD_SIZE", "1"))
-        return cls(world, int(env.get("RANK", "0")), int(env.get("LOCAL_WORLD_SIZE", world)))
-
-    @property
-    def torchrun(self) -> bool:
-        return "TORCHELASTIC_RUN_ID" in os.environ or self.world_size > 1
 
 
 def device_args(cfg: TrainerConfig, env: LaunchEnv) -> dict:

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from stabilize.io import DamagedFile, atomic_torch_save, verify
-from stabilize.trust import UntrustedFile, check_dcp_index, torch_load
+from stabilize.run.rundir import checkpoint_steps
 
 LAST = "last.ckpt"
 
@@ -165,22 +165,3 @@ def resolve_resume(resume: str, run_dir: str | os.PathLike, trusted: bool = Fals
         warn(f"{resume} has no checksum (written by an older version): resuming unverified")
     checkpoint_steps(resume, trusted)
     return resume
-
-
-def checkpoint_steps(path: str | os.PathLike, trusted: bool = False) -> tuple[int, int]:
-    """(model step, Lightning global step) stored in a checkpoint, without reading its
-    tensors (memory-mapped). ``ValueError`` naming the file when it is not one of ours;
-    ``UntrustedFile`` when it would need pickle's full power to load."""
-    try:
-        if Path(path).is_dir():  # sharded (DCP): its index, then the non-tensor part
-            check_dcp_index(path, trusted)
-            path = Path(path) / "meta.pt"
-        ckpt = torch_load(path, trusted, map_location="cpu", mmap=True)
-        return int(ckpt["stabilize"]["model_step"]), int(ckpt.get("global_step", 0))
-    except UntrustedFile as e:
-        raise ValueError(f"resume: {e}") from None
-    except Exception as e:
-        raise ValueError(
-            f"resume: {path} is not a stabilize checkpoint ({type(e).__name__}: {e}); "
-            f"allowed: a .ckpt written by stabilize-train"
-        ) from None

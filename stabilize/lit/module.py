@@ -30,7 +30,6 @@ from torch import nn
 
 from stabilize.compat import scaler_scale, uncount_batch
 from stabilize.data import bits_per_byte, build_dataloaders, share_skips
-from stabilize.lit.config import OptimConfig, RunConfig
 from stabilize.lit.fsdp import full_norm, shard_model
 from stabilize.lit.saved_state import restore_state, saved_state
 from stabilize.model import GPT, set_activation_checkpointing
@@ -38,6 +37,7 @@ from stabilize.model.logits import lm_loss
 from stabilize.norms import Norm
 from stabilize.rollback.remedies import lr_scale_at
 from stabilize.rollback.state import TrainState
+from stabilize.run.config import OptimConfig, RunConfig
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -19,23 +19,24 @@ import torch
 from stabilize.compat import wandb_started
 from stabilize.lit import final_eval
 from stabilize.lit.build import build_trainer, resolve_accelerator
-from stabilize.lit.checkpoint import checkpoint_steps, resolve_resume
-from stabilize.lit.config import RunConfig
+from stabilize.lit.checkpoint import resolve_resume
 from stabilize.lit.module import GPTLitModule
 from stabilize.lit.preempt import Preempted
-from stabilize.lit.preflight import preflight
-from stabilize.lit.quiet import quiet
-from stabilize.lit.rundir import (
+from stabilize.lit.watchdog import Watchdog
+from stabilize.norms import Norm
+from stabilize.run.config import RunConfig
+from stabilize.run.preflight import preflight
+from stabilize.run.quiet import quiet
+from stabilize.run.rundir import (
     RunDirError,
     already_finished,
+    checkpoint_steps,
     claim,
     stamp,
     sweep_temporaries,
     unlock,
 )
-from stabilize.lit.stability import StabilityAbort
-from stabilize.lit.watchdog import Watchdog
-from stabilize.norms import Norm
+from stabilize.stability import StabilityAbort
 
 
 def _rank() -> int:
@@ -48,7 +49,7 @@ def run(cfg: RunConfig, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
     preflight(cfg)  # every start-up check, before anything is written (ConfigError)
     run_dir = Path(cfg.run_dir)
     # Everything about the run dir is settled before anything is written to it: a fresh
-    # start refused or moved aside (lit/rundir.py), the checkpoint verified (or the newest
+    # start refused or moved aside (run/rundir.py), the checkpoint verified (or the newest
     # intact one chosen), a finished run left alone.
     moved = claim(run_dir, cfg.resume)  # and its lock, held until the run ends
     try:

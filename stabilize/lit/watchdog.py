@@ -51,6 +51,7 @@ import lightning as L
 import torch
 
 from stabilize.exits import EXIT_HUNG
+from stabilize.run.summary import STRAGGLER_SHARE
 
 log = logging.getLogger(__name__)
 RANKS_DIR = "ranks"
@@ -287,7 +288,6 @@ class Watchdog(L.Callback):
         os._exit(EXIT_HUNG)
 
 
-STRAGGLER_SHARE = 1.2  # a rank this much slower than the median rank is named
 STRAGGLER_STEPS = 20  # ... once every rank has this many steps behind its figure
 
 

@@ -34,6 +34,11 @@ MECHANISMS = {
 }
 
 
+def cell_dir(root: Path, cell: Cell) -> Path:
+    """Where a cell's run lives under the map's root."""
+    return root / "cells" / cell.recipe / cell.key
+
+
 def finished(run_dir: Path) -> bool:
     """A cell is finished once its run ended (done, or aborted: divergence is a result)."""
     try:

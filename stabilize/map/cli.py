@@ -22,17 +22,13 @@ import time
 from pathlib import Path
 
 from stabilize.exits import EXIT_CONFIG
-from stabilize.map.cells import finished
+from stabilize.map.cells import cell_dir, finished
 from stabilize.map.spec import Cell, MapSpec, load_spec
 from stabilize.validate import ConfigError
 
 LAUNCHERS = ("joblib", "basic", "submitit_local", "submitit_slurm")
 # one tiny cell at 1 thread on this project's 2-core CPU (docs/map.md): the plan's estimate
 TINY_START_S, TINY_STEP_S = 5.0, 0.08
-
-
-def cell_dir(root: Path, cell: Cell) -> Path:
-    return root / "cells" / cell.recipe / cell.key
 
 
 def groups(cells: list[Cell]) -> list[tuple[str, list[float], list[int]]]:
@@ -77,8 +73,8 @@ def check_recipes(spec: MapSpec, extra: list[str]) -> None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from stabilize.lit.preflight import build_config
     from stabilize.paths import config_dir
+    from stabilize.run.preflight import build_config
 
     mine = [o for o in extra if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
@@ -177,8 +173,8 @@ def run_map(spec: MapSpec, root: Path, launcher: str, jobs: int, extra: list[str
                   flush=True)  # fmt: skip
             if code == EXIT_CONFIG and len(seen) == 0:
                 return EXIT_CONFIG
-    from stabilize.lit.stability.bundle import versions
     from stabilize.map.report import write_report
+    from stabilize.stability.bundle import versions
 
     meta = {"commit": versions()["git_commit"], "launcher": launcher, "jobs": jobs,
             "cells_run": len(todo), "seconds": round(time.monotonic() - t0, 1),

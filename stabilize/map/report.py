@@ -12,14 +12,13 @@ import statistics
 from pathlib import Path
 
 from stabilize.map.analysis import RecipeSummary, best_lr_ratio, summarize
-from stabilize.map.cells import CellResult, finished, read_cell
+from stabilize.map.cells import CellResult, cell_dir, finished, read_cell
 from stabilize.map.claims import claims
 from stabilize.map.spec import MapSpec
 
 
 def collect(spec: MapSpec, root: Path) -> list[CellResult]:
     """Every finished cell; the recipe's L0 is the mean of its cells' first-step losses."""
-    from stabilize.map.cli import cell_dir
 
     raw = [(c, read_cell(cell_dir(root, c), c, spec)) for c in spec.cells()
            if finished(cell_dir(root, c))]  # fmt: skip

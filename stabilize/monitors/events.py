@@ -68,7 +68,7 @@ class StepStats:
 STEP_FIELDS = tuple(f.name for f in fields(StepStats) if f.name != "step")
 
 # The per-layer series of StepStats and the metric prefix each is logged under on log steps
-# (``<prefix>/<layer>``, stabilize/lit/stability/sink.py), in logging order. A new per-layer
+# (``<prefix>/<layer>``, stabilize/stability/sink.py), in logging order. A new per-layer
 # statistic is a StepStats field, a probe slot that fills it, and a line here.
 SERIES_METRICS = {
     "act_max": "act",

@@ -1,7 +1,7 @@
 """Replica check during training: every rank's parameters must be bit-identical.
 
 Every ``monitor.replicas.every`` steps the step gather carries each rank's exact parameter
-fingerprint (the raw bits summed as integers, stabilize/lit/stability/gather.py: any one
+fingerprint (the raw bits summed as integers, stabilize/stability/gather.py: any one
 flipped bit changes it). A rank whose fingerprint differs from the majority's is named and
 the run rolls back to a snapshot no newer than the last check that agreed (``extra``
 ``restore_at_or_before``): the snapshots after it may hold the corrupted replica. With two

@@ -59,7 +59,7 @@ class Norm(nn.Module):
         self.weight = weight
         self.bias = bias
         self.reset_parameters()
-        # Set by a monitor (stabilize.lit.probe.StabilityProbe): every training forward hands
+        # Set by a monitor (stabilize.stability.probe.StabilityProbe): every training forward hands
         # it its input and, for the explicit backend, the per-row statistic (inf where the
         # reduction overflowed), as ``stats_sink.record_norm(stats_index, x, ms, kind)``.
         # A call from forward, not a forward hook: hooks put every call of the module on

@@ -12,11 +12,11 @@ from __future__ import annotations
 import sys
 
 from stabilize.exits import EXIT_CONFIG, one_line
-from stabilize.lit.config import RunConfig
 from stabilize.paths import config_dir
 from stabilize.plan.hardware import GB, PlanConfig, parse_plan_overrides
 from stabilize.plan.memory import PARAM_BYTES, activations, model_state
 from stabilize.plan.storage import storage
+from stabilize.run.config import RunConfig
 
 USAGE = """usage: stabilize-plan [OVERRIDE ...]
 

@@ -1,6 +1,6 @@
 """Host memory of the snapshot ring and the disk the run writes (docs/memory.md).
 
-A snapshot (taken by stabilize/lit/stability/controller.py, kept by
+A snapshot (taken by stabilize/stability/controller.py, kept by
 stabilize/rollback/snapshots.py) is the model's state dict, the optimizer's and small
 host-side state: the weights and AdamW's two moments in the parameters' dtype, plus one fp32
 ``step`` per parameter tensor; a tied weight is copied once (``rollback.to_cpu``). A
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from stabilize.lit.config import RunConfig
 from stabilize.plan.memory import ADAM_MOMENTS, PARAM_BYTES, param_shapes
+from stabilize.run.config import RunConfig
 
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW keeps a scalar fp32 ``step`` per parameter tensor
 

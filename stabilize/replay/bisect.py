@@ -148,7 +148,7 @@ def skip_override(culprits: list[dict]) -> str:
 def record(bundle: Path, culprits: list[dict]) -> Path | None:
     """Add the culprits to the bundle's run dir's ``skipped_items.json`` (the entries
     already there stay). None when the bundle is not inside a run dir."""
-    from stabilize.lit.stability.controller import add_skipped_items
+    from stabilize.stability.controller import add_skipped_items
 
     run_dir = bundle.resolve().parent.parent
     if bundle.resolve().parent.name != "bundles" or not (run_dir / "config.json").is_file():

@@ -1,6 +1,6 @@
 """Replay a failing step from its repro bundle, in this process (``stabilize-replay``).
 
-The bundle (lit/stability/bundle.py) is checked first: every file its manifest lists must
+The bundle (stability/bundle.py) is checked first: every file its manifest lists must
 be there with its size and SHA-256, and its format this one; otherwise one line naming the
 file, exit 2. Then the model is rebuilt from the bundle's config and state, and the step's
 micro-batches (every rank's, under DDP) run forward and backward as training ran them: the
@@ -33,7 +33,7 @@ class BadBundle(Exception):
 
 def check(bundle: Path) -> dict[str, Any]:
     """The bundle's meta, once every file matches its manifest; else ``BadBundle``."""
-    from stabilize.lit.stability.bundle import FORMAT, sha256
+    from stabilize.stability.bundle import FORMAT, sha256
 
     man = bundle / "manifest.json"
     if not man.is_file():
@@ -74,7 +74,7 @@ def replay(
     ``rows``: only these sequences, as (rank, micro-batch, row) (None: all of them)."""
     import torch
 
-    from stabilize.lit.config import RunConfig
+    from stabilize.run.config import RunConfig
     from stabilize.trust import torch_load
 
     meta = check(bundle)
@@ -139,9 +139,9 @@ def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites, ro
 
     from stabilize.faults import FaultInjector
     from stabilize.lit.module import step_seed
-    from stabilize.lit.stability.localize import _Trace
     from stabilize.model import GPT
     from stabilize.model.logits import lm_loss
+    from stabilize.stability.localize import _Trace
 
     model = GPT(cfg.model)
     model.load_state_dict(state["model"])

@@ -1,5 +1,5 @@
 import sys
 
-from stabilize.report import main
+from stabilize.report.cli import main
 
 sys.exit(main())

@@ -7,7 +7,7 @@ rolled-back attempt is not hidden: it becomes its own piece, drawn faded from th
 step to where it was abandoned; the kept trajectory, what the model that finished went
 through, is one line.
 
-How a rollback shows in the logs (``stabilize/lit/stability/``: ``sink.py`` writes the
+How a rollback shows in the logs (``stabilize/stability/``: ``sink.py`` writes the
 stability row, ``controller.py`` restores): at the global step of a rollback, the
 stability row says the attempted step while the module's row, written after the restore,
 says the restored one; the batch Lightning fetched before the restore is then logged once

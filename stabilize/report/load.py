@@ -62,7 +62,7 @@ class Run:
         return sorted({k for r in self.rows for k in r if k.startswith(prefix)})
 
 
-# The step's scalars logged on every step (stabilize/lit/stability/sink.py STEP_METRICS) and
+# The step's scalars logged on every step (stabilize/stability/sink.py STEP_METRICS) and
 # the names the report reads: where a run has them they replace Lightning's log-step-only
 # values, so a peak between log steps is in the table and the plots.
 PER_STEP = {

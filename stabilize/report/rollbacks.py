@@ -3,7 +3,7 @@ the ladder changed, and whether that change lasted.
 
 A rollback event (``monitor == "rollback"``) follows the verdicts that called for it, logged
 at the same optimizer step taken (``global_step``). What a rung changes and how long it
-lasts follows from what a restore puts back (stabilize/lit/stability/controller.py: the
+lasts follows from what a restore puts back (stabilize/stability/controller.py: the
 snapshot holds the model, the optimizer, the model step and the data position, not the LR
 scale nor the norms' reduction dtype):
 

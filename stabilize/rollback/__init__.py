@@ -2,7 +2,7 @@
 policy that picks a snapshot and a remedy or gives up (``policy``), and the remedies
 themselves (``remedies``, a registry keyed by the ladder's names), and the training state
 they change (``state.TrainState``). The Lightning side is
-stabilize/lit/stability/controller.py.
+stabilize/stability/controller.py.
 """
 
 from stabilize.rollback.policy import Decision, RollbackConfig, RollbackPolicy

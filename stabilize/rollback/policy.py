@@ -54,7 +54,7 @@ class RollbackConfig:
     window: int = 1000
     """The span, in steps, ``max_rollbacks`` counts over."""
     bundle: str = "fault"
-    """Repro bundles (lit/stability/bundle.py, replayed by ``stabilize-replay``): ``fault``
+    """Repro bundles (stability/bundle.py, replayed by ``stabilize-replay``): ``fault``
     on every verdict that rolls back (or would, with rollback off), ``always`` on warnings
     and scaler skips too, ``off``."""
     bundle_max_mb: float = 4096.0

@@ -22,7 +22,7 @@ the fp32 reduction is this project's own, docs/rollback.md):
   ``skipped_batches.json``, so a resume skips them too).
 - ``skip_rows``: never train on the sequences of those batches whose own loss was
   non-finite (``state.skipped_items``, ``skipped_items.json``); the rest of each batch
-  trains. Not in the default ladder (``rollback.ladder=[retry, skip_rows, ...]``).
+  trains. In the default ladder, second (``[retry, skip_rows, lower_lr, fp32_reduction]``).
 
 Each remedy says which fault classes it fits (``classes``; docs/rollback.md): ``retry``
 a transient fault, ``skip_data`` and ``skip_batch`` a data-linked one, the rest (the

@@ -1,6 +1,6 @@
 """Snapshots of the last good state: host copies, the memory ring and durable writes.
 
-Trainer-agnostic: the rollback controller (stabilize/lit/stability/controller.py) hands in
+Trainer-agnostic: the rollback controller (stabilize/stability/controller.py) hands in
 the state dicts of the model, optimizer, scheduler and scaler.
 """
 

@@ -16,9 +16,7 @@ import sys
 from pathlib import Path
 
 from stabilize.exits import EXIT_CONFIG
-from stabilize.replay.core import TOLERANCE, BadBundle, check, fails, replay, report
-
-__all__ = ["TOLERANCE", "BadBundle", "check", "fails", "main", "replay", "report"]
+from stabilize.replay.core import BadBundle, replay, report
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,13 +13,13 @@ from typing import Any
 
 from stabilize.data import DEFAULT_TOKENIZER, DataConfig, choose_tokenizer, follow_vocab
 from stabilize.faults import FaultConfig, fault_config
-from stabilize.lit.rundir import check_name
 from stabilize.model import GPTConfig
 from stabilize.model.config import PRESETS
 from stabilize.monitors import MonitorConfig
 from stabilize.monitors.activations import resolve_line
 from stabilize.norms import NormConfig
 from stabilize.rollback import RollbackConfig
+from stabilize.run.rundir import check_name
 from stabilize.validate import (
     ConfigError,
     build_dataclass,
@@ -197,7 +197,7 @@ class RunConfig:
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
-    verbose: bool = False  # also third-party notices (stabilize/lit/quiet.py), model summary
+    verbose: bool = False  # also third-party notices (stabilize/run/quiet.py), model summary
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -252,7 +252,7 @@ class RunConfig:
     def _check_fault_fires(self) -> None:
         """A fault drill that cannot fire is refused, not silently skipped:
         its step must be one the run reaches. (The rank is checked against the world size
-        at start-up, ``lit/preflight.py``; the parameter against the model's names there.)"""
+        at start-up, ``run/preflight.py``; the parameter against the model's names there.)"""
         armed = self.fault.enabled and self.fault.kind != "none"
         if armed and self.fault.step > self.trainer.max_steps:
             raise ConfigError(

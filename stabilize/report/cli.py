@@ -41,17 +41,6 @@ from stabilize.report.summary import (
 )
 from stabilize.report.verdict import facts, judge, verdict_rows
 
-__all__ = [
-    "Run",
-    "arm_names",
-    "chain",
-    "load_run_dir",
-    "load_wandb",
-    "summarize",
-    "write_report",
-    "main",
-]
-
 
 def _comparison(runs: list[Run], arms: list[ArmSummary]) -> list[str]:
     """A sweep's table: one row per member, keyed by its swept values."""

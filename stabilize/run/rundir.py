@@ -45,7 +45,7 @@ RUN_FILES = (
     "csv",
     "wandb",
     "ranks",  # the watchdog's heartbeats and stack dumps (lit/watchdog.py)
-    "bundles",  # repro bundles of faulty steps (lit/stability/bundle.py)
+    "bundles",  # repro bundles of faulty steps (stability/bundle.py)
 )
 RESUME_CHOICES = "'none', 'auto', 'restart' or a path to a .ckpt file"
 
@@ -235,6 +235,27 @@ def claim(run_dir: str | os.PathLike, resume: str) -> str | None:
     return f"resume=restart: moved the earlier run's {', '.join(found)} to {attic}"
 
 
+def checkpoint_steps(path: str | os.PathLike, trusted: bool = False) -> tuple[int, int]:
+    """(model step, Lightning global step) stored in a checkpoint, without reading its
+    tensors (memory-mapped). ``ValueError`` naming the file when it is not one of ours;
+    ``UntrustedFile`` when it would need pickle's full power to load."""
+    from stabilize.trust import UntrustedFile, check_dcp_index, torch_load  # torch: only here
+
+    try:
+        if Path(path).is_dir():  # sharded (DCP): its index, then the non-tensor part
+            check_dcp_index(path, trusted)
+            path = Path(path) / "meta.pt"
+        ckpt = torch_load(path, trusted, map_location="cpu", mmap=True)
+        return int(ckpt["stabilize"]["model_step"]), int(ckpt.get("global_step", 0))
+    except UntrustedFile as e:
+        raise ValueError(f"resume: {e}") from None
+    except Exception as e:
+        raise ValueError(
+            f"resume: {path} is not a stabilize checkpoint ({type(e).__name__}: {e}); "
+            f"allowed: a .ckpt written by stabilize-train"
+        ) from None
+
+
 def already_finished(
     run_dir: str | os.PathLike,
     ckpt: str | os.PathLike,
@@ -246,8 +267,6 @@ def already_finished(
     step this launch would stop at (``trainer.max_steps``, or ``trainer.stop_at_step``);
     None when there is training left to do. Training on would take one more step than
     asked (the stop is checked after a step) and overwrite ``last.ckpt``."""
-    from stabilize.lit.checkpoint import checkpoint_steps  # torch + Lightning: only here
-
     model_step, _ = checkpoint_steps(ckpt, trusted)
     target, key = max_steps, "trainer.max_steps"
     if stop_at is not None and stop_at < max_steps:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from stabilize.compat import found_inf_per_device, scaler_scale
-from stabilize.lit.probe import StabilityProbe
 from stabilize.monitors import StepStats
+from stabilize.stability.probe import StabilityProbe
 
 SCALARS = 4  # loss, grad norm, loss scale, found-inf
 CHUNKS = 4  # the parameter fingerprint, an int64 as four 16-bit pieces

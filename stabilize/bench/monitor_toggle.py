@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import statistics
 
-from benchlib import StepClock, train_with
-from benchstats import ABBA, BLOCK, block_means, position_overhead, quad_overheads
-
-from stabilize.lit.probe import StabilityProbe
-from stabilize.lit.stability import HEAD, StabilityCallback
+from stabilize.bench.lib import StepClock, train_with
+from stabilize.bench.stats import ABBA, BLOCK, block_means, position_overhead, quad_overheads
+from stabilize.lit.stability import StabilityCallback
+from stabilize.stability import HEAD
+from stabilize.stability.probe import StabilityProbe
 
 
 class Toggle(StepClock):

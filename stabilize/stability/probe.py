@@ -34,14 +34,14 @@ import torch
 from torch import nn
 
 from stabilize.cpu_kernels import absmax_into, head_norm_max
-from stabilize.lit.param_stats import (
+from stabilize.model.recompute import recomputing
+from stabilize.norms import Norm, get_norm_type
+from stabilize.stability.param_stats import (
     block_grad_update_norms,
     lowest_head_entropy,
     param_groups_by_block,
     sampled_queries,
 )
-from stabilize.model.recompute import recomputing
-from stabilize.norms import Norm, get_norm_type
 
 
 class StabilityProbe:

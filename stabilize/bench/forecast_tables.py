@@ -7,8 +7,8 @@ import statistics
 
 import numpy as np
 import torch
-from forecast_set import SWEEP
 
+from stabilize.bench.forecast_set import SWEEP
 from stabilize.monitors.activations import ActivationConfig, ActivationMonitor
 from stabilize.monitors.events import StepStats
 from stabilize.monitors.forecast_score import (

@@ -15,9 +15,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stabilize.lit.stability.grad_scan import origin
-from stabilize.lit.watchdog import STRAGGLER_SHARE
 from stabilize.report.rollbacks import Rollback, rollbacks
+from stabilize.stability.grad_scan import origin
+
+STRAGGLER_SHARE = 1.2  # a rank this much slower than the median rank is named
 
 SHOWN = ("train/loss", "val/loss", "val/bpb", "final/val_bpb")  # on the done: line
 MESSAGE_CHARS = 100  # a verdict's message, cut to this on the console (events.jsonl has it all)

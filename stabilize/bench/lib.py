@@ -3,7 +3,7 @@ line, Hydra composition of the real configs, the bench model sizes, a clock call
 stamps every optimizer step, and one real training run with it.
 
 Imported first by each script (it sets the environment before wandb is imported). The
-statistics and tables the scripts print are in benchstats.py.
+statistics and tables the scripts print are in stats.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -19,19 +18,20 @@ os.environ["WANDB_MODE"] = "offline"  # before wandb is imported; never the netw
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # runnable from a bare checkout
+# the checkout this package runs from (its scripts are run from one)
+ROOT = Path(__file__).resolve().parents[2]
 
-import lightning as L  # noqa: E402
+import lightning as L  # noqa: E402  (after the environment above)
 import torch  # noqa: E402
 import wandb  # noqa: E402
-from benchstats import load_average  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import stabilize.train  # noqa: E402  (also registers the config's resolvers)
-from stabilize.lit.config import RunConfig  # noqa: E402
+from stabilize.bench.stats import load_average  # noqa: E402
 from stabilize.lit.progress import PlainProgress  # noqa: E402
+from stabilize.paths import config_dir  # noqa: E402
+from stabilize.run.config import RunConfig  # noqa: E402
 
 CONFIGS = {
     "tiny": ["model=tiny"],
@@ -45,7 +45,7 @@ CONFIGS = {
 
 def compose_cfg(run_dir: str, overrides: list[str]) -> RunConfig:
     """configs/train.yaml composed with Hydra as the CLI does, as a typed RunConfig."""
-    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=[f"run_dir={run_dir}", *overrides])
     return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
 

@@ -1,6 +1,7 @@
 """The stability callback: feeds the monitors once per step, acts on their verdict.
 
-Thin: the step gather (``gather.py``), the re-run classification (``classify.py``) with
+Thin: the parts in ``stabilize/stability/`` (no Lightning there), the step gather
+(``gather.py``), the re-run classification (``classify.py``) with
 NaN localization in the forward and the backward (``localize.py``), the rollback
 controller (``controller.py``: snapshot, restore, remedy, abort) and the event sink
 (``sink.py``: events.jsonl, console, W&B alerts, metrics and counts) do the work; this
@@ -20,22 +21,22 @@ from lightning.pytorch.utilities import rank_zero_info
 from stabilize.data import parse_skip_items
 from stabilize.faults import FaultConfig, FaultInjector
 from stabilize.lit.fsdp import is_fsdp
-from stabilize.lit.probe import StabilityProbe
-from stabilize.lit.stability import grad_scan
-from stabilize.lit.stability.bundle import write_bundle
-from stabilize.lit.stability.classify import LOCALIZED, Classifier
-from stabilize.lit.stability.console import GAP
-from stabilize.lit.stability.controller import (
+from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
+from stabilize.rollback import RollbackConfig
+from stabilize.rollback.sharded import Sharder
+from stabilize.stability import grad_scan
+from stabilize.stability.bundle import write_bundle
+from stabilize.stability.classify import LOCALIZED, Classifier
+from stabilize.stability.console import GAP
+from stabilize.stability.controller import (
     RollbackController,
     load_skipped,
     load_skipped_items,
 )
-from stabilize.lit.stability.gather import HEAD, StepGather
-from stabilize.lit.stability.localize import first_named, locate
-from stabilize.lit.stability.sink import EventSink
-from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
-from stabilize.rollback import RollbackConfig
-from stabilize.rollback.sharded import Sharder
+from stabilize.stability.gather import HEAD, StepGather
+from stabilize.stability.localize import first_named, locate
+from stabilize.stability.probe import StabilityProbe
+from stabilize.stability.sink import EventSink
 
 
 def _sharded(trainer) -> bool:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from stabilize.faults import FaultInjector
-from stabilize.lit.stability.sink import EventSink
 from stabilize.monitors import Event, MonitorSuite, StepStats
 from stabilize.rollback import (
     DurableWriter,
@@ -36,8 +35,9 @@ from stabilize.rollback import (
     to_cpu,
 )
 from stabilize.rollback.sharded import Sharder
+from stabilize.stability.sink import EventSink
 
-SKIPPED = "skipped_batches.json"  # the data positions never to train on (lit/rundir.py)
+SKIPPED = "skipped_batches.json"  # the data positions never to train on (run/rundir.py)
 
 
 def load_skipped(run_dir: str | Path) -> set[int]:

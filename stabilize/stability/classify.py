@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stabilize.lit.stability.gather import CHUNKS, StepGather
-from stabilize.lit.stability.localize import gather_reports, replay
 from stabilize.monitors import ROLLBACK, Event, MonitorSuite, StepStats
+from stabilize.stability.gather import CHUNKS, StepGather
+from stabilize.stability.localize import gather_reports, replay
 
 # monitors whose fault is localized in the forward and the backward (non-finite values)
 LOCALIZED = ("nonfinite", "loss_scale")

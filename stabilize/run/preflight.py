@@ -35,8 +35,8 @@ import torch
 
 from stabilize.data import build_dataloaders
 from stabilize.faults import fault_class
-from stabilize.lit.config import RunConfig
 from stabilize.model import GPT
+from stabilize.run.config import RunConfig
 from stabilize.trust import UntrustedFile, check_dcp_index, torch_load
 from stabilize.validate import ConfigError
 
@@ -59,7 +59,7 @@ def config_errors() -> Iterator[None]:
 def build_config(values: dict[str, Any]) -> RunConfig:
     """The resolved Hydra values -> a ``RunConfig``; any refusal is a ``ConfigError``. In
     a group torchrun restarted, ``resume`` is what the restart needs (``elastic_resume``)."""
-    from stabilize.lit.rundir import elastic_resume
+    from stabilize.run.rundir import elastic_resume
 
     if "run_dir" in values and "resume" in values:
         values["resume"], line = elastic_resume(str(values["resume"]), values["run_dir"])
@@ -71,7 +71,7 @@ def build_config(values: dict[str, Any]) -> RunConfig:
 
 def world_size(cfg: RunConfig) -> int:
     """Processes in this launch: torchrun's ``WORLD_SIZE``, else devices x nodes."""
-    from stabilize.lit.build import LaunchEnv  # Lightning: not on the config-error path
+    from stabilize.run.env import LaunchEnv
 
     env = LaunchEnv.detect()
     if env.torchrun:
@@ -122,7 +122,7 @@ def check_wandb_login(cfg: RunConfig) -> None:
         return  # what wandb reads first; no need to load wandb to know
     import wandb
 
-    from stabilize.lit.quiet import quiet
+    from stabilize.run.quiet import quiet
 
     with quiet(cfg.verbose):  # its "credentials loaded" lines: W&B's banner, silenced
         if wandb.login(key=None, verify=False, prompt=False):

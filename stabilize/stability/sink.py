@@ -14,12 +14,11 @@ import math
 from pathlib import Path
 
 import torch
-from lightning.pytorch.loggers import WandbLogger
 
 from stabilize.compat import batches_that_stepped
-from stabilize.lit.stability.console import EventConsole
 from stabilize.monitors import SERIES_METRICS, Event, StepStats
 from stabilize.numerics import sum_of_squares_rms_limit
+from stabilize.stability.console import EventConsole
 
 # The step's scalars, logged on every optimizer step under these names (once logged only
 # every log_every_n_steps, a grad-norm peak of 13.7 showed up as 3.18). They are the host
@@ -71,8 +70,9 @@ class EventSink:
         controller = e.monitor == "rollback" or e.kind == "abort"
         title = f"{e.kind}: {e.monitor}" + (f" at step {e.step}" if controller else "")
         level = "WARN" if e.kind == "warn" else "ERROR"
+        # Lightning's WandbLogger, found by name: the core imports no Lightning
         for lg in trainer.loggers:
-            if isinstance(lg, WandbLogger):
+            if type(lg).__name__ == "WandbLogger":
                 lg.experiment.alert(
                     title=title, text=e.message, level=level, wait_duration=ALERT_WAIT_S
                 )
