@@ -11,9 +11,19 @@ from __future__ import annotations
 
 import argparse
 import csv
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from stabilize.monitors.spikes import LossSpikeConfig, SpikeDetector, SpikeMonitor
+
+
+@dataclass
+class OldLossSpikeConfig(LossSpikeConfig):
+    """The old loss detector: the window's MAD (not trend-robust) and a 50-step warm-up."""
+
+    trend_robust: ClassVar[bool] = False
+    warmup: int = 50
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -43,7 +53,7 @@ def main() -> None:
     c = LossSpikeConfig()
     for d in args.run_dirs:
         series = losses(d)
-        old = SpikeDetector("loss_spike", c.window, 50, c.threshold, c.min_ratio)
+        old = SpikeDetector(OldLossSpikeConfig())
         new = SpikeMonitor.from_config("loss_spike", c, series="loss").detector
         print(f"{d}: {len(series)} steps")
         for label, det in (("old (MAD, warm-up 50)", old), ("now (default)", new)):

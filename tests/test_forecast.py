@@ -3,8 +3,10 @@ computed in float64 here, its silence where no 16-bit reduction can overflow, an
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,8 +16,25 @@ from stabilize.monitors.activations import resolve_line
 from stabilize.monitors.forecast import LineForecaster, first_significant
 from stabilize.monitors.forecast_score import RunScore, first_crossings, row_metrics
 
+from conftest import compose_run
+
 D = 128
 RMS_LINE = math.sqrt(65504.0) / math.sqrt(D)  # 22.62: the fp16 sum of 128 squares overflows
+
+
+@functools.cache
+def users() -> ActivationConfig:
+    """``monitor.activation`` as users run it where the line is a danger: composed as the CLI
+    does for experiment=nan_repro (fp16 autocast, norms reduced in fp16), so ``line=auto``
+    resolves to fp16_square and the forecast runs."""
+    c = compose_run("unused", ["experiment=nan_repro"]).monitor.activation
+    assert c.line == "fp16_square"
+    return c
+
+
+def monitor(**changes) -> ActivationMonitor:
+    """The monitor users run (``users()``), with exactly the changes a test names."""
+    return ActivationMonitor(replace(users(), **changes))
 
 
 def series(n, start, rate, noise, seed=0, plateau=None):
@@ -54,7 +73,7 @@ def crossing(values, line) -> int:
 def test_outlier_growth_is_warned_ahead_of_the_256_crossing(seed):
     v = series(60, 2.0, 1.15, 0.03, seed)  # x1.15 per step: 256 near step 36
     c = crossing(v, 256.0)
-    warned = run_monitor(ActivationMonitor(), abs_vals=v)
+    warned = run_monitor(monitor(), abs_vals=v)
     assert warned and warned[0][1] == "abs"
     assert 5 <= c - warned[0][0] <= 40  # ahead by at least 5 steps, within the horizon
 
@@ -66,7 +85,7 @@ def test_spread_growth_is_warned_on_the_rms_line_before_any_element_reaches_256(
     rms = series(40, 0.05, 1.35, 0.05, seed)
     c = crossing(rms, RMS_LINE)
     assert 3.0 * rms[c - 1] < 256.0
-    warned = run_monitor(ActivationMonitor(), rms_vals=rms)
+    warned = run_monitor(monitor(), rms_vals=rms)
     rms_warn = [s for s, line in warned if line == "rms"]
     assert rms_warn and c - rms_warn[0] >= 5
 
@@ -77,7 +96,7 @@ def test_a_noisy_layer_at_a_high_level_is_not_warned(seed):
     the noise learned from the layer's own increments keeps it quiet."""
     v = series(200, 150.0, 1.0, 0.15, seed)
     assert (v < 256).all()
-    assert run_monitor(ActivationMonitor(), abs_vals=v) == []
+    assert run_monitor(monitor(), abs_vals=v) == []
 
 
 @pytest.mark.parametrize(
@@ -127,7 +146,7 @@ def test_no_crossing_needs_more_climb_than_the_layer_has_made():
     v = np.exp(y) * 256.0
 
     def first(climb):
-        f = LineForecaster(climb=climb)
+        f = LineForecaster(replace(users(), forecast_climb=climb))
         for i, x in enumerate(v):
             p = f.update({("h.0", "abs"): (float(x), 256.0)})
             if p and p[("h.0", "abs")].significant:
@@ -147,7 +166,7 @@ def test_the_warning_leads_with_the_slowed_distance_and_a_confirmed_warning_come
     v = series(60, 2.0, 1.15, 0.03, 1)
 
     def first(**kw):
-        mon = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square", **kw))
+        mon = monitor(**kw)
         for i, x in enumerate(v):
             for e in mon.update(StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(x)})):
                 if e.monitor == "forecast":
@@ -172,9 +191,9 @@ def test_a_layer_measured_past_a_line_is_not_warned_of_that_crossing():
     |x| max climb, whose fitted level lags below the line, is not warned then. The same
     climb without the overflow is warned at that step (so the check can fail)."""
     v = series(60, 2.0, 1.15, 0.03, 1)
-    mon = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square"))
+    mon = monitor()
     first = run_monitor(mon, abs_vals=v)[0][0]  # the step the climb is first warned at
-    mon = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square"))
+    mon = monitor()
     got = []
     for i, x in enumerate(v[:first]):
         st = StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(x)},
@@ -194,9 +213,9 @@ def test_a_warning_whose_horizon_passed_is_given_again_when_the_crossing_nears()
     rates = [1.15] * 20 + [1.01] * 45 + [1.15] * 40
     v = np.exp(math.log(2.0) + np.cumsum(np.log(rates)) + 0.005 * rng.standard_normal(105))
     c = crossing(v, 256.0)
-    mon = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square"))
+    mon = monitor()
     warned = run_monitor(mon, abs_vals=v[:40])
-    again = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square"))
+    again = monitor()
     again.load_state_dict(json.loads(json.dumps(mon.state_dict())))
     later = [e.step for i in range(40, len(v)) for e in again.update(
         StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(v[i])})
@@ -211,12 +230,12 @@ def test_an_older_checkpoints_warned_layers_stay_warned_until_their_approach_end
     warned on the same steady climb (x1.08/step: warned at step 34, crosses at 65), as they
     did then; the same state read as warned long ago would warn again."""
     v = series(100, 2.0, 1.08, 0.03, 1)
-    mon = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square"))
+    mon = monitor()
     assert run_monitor(mon, abs_vals=v[:40])  # warned within the first 40 steps
     state = mon.state_dict()
 
     def resumed(warned):
-        m = ActivationMonitor.from_config("a", ActivationConfig(line="fp16_square"))
+        m = monitor()
         m.load_state_dict({**state, "forecast_warned": warned})
         return [e.step for i in range(40, 60) for e in m.update(
             StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(v[i])})
@@ -228,7 +247,7 @@ def test_an_older_checkpoints_warned_layers_stay_warned_until_their_approach_end
 
 def test_forecaster_state_round_trips_mid_series():
     v = series(30, 2.0, 1.2, 0.03)
-    a, b = LineForecaster(), LineForecaster()
+    a, b = LineForecaster(users()), LineForecaster(users())
     for x in v[:15]:
         a.update({("h.0", "abs"): (float(x), 256.0)})
     b.load_state_dict(a.state_dict())

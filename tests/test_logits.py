@@ -18,9 +18,11 @@ from stabilize.model import GPT, GPTConfig
 from stabilize.model.logits import lm_loss
 from stabilize.monitors import WARN, StepStats
 from stabilize.monitors.logits import (
+    AttnEntropyConfig,
     AttnEntropyMonitor,
     AttnLogitConfig,
     AttnLogitMonitor,
+    LogZConfig,
     LogZMonitor,
     loglinear_forecast,
 )
@@ -199,12 +201,12 @@ def test_attn_logit_monitor_is_quiet_on_a_flat_bound_like_qk_norms():
 
 
 def test_attn_entropy_warns_once_per_collapse_and_log_z_once_per_crossing():
-    ent = AttnEntropyMonitor(floor=0.05)
+    ent = AttnEntropyMonitor(AttnEntropyConfig(floor=0.05))
     series = [2.0, 0.03, 0.06, 0.01, 0.8, 0.02]  # collapse, flicker, recover, collapse again
     warned = [s for s, e in enumerate(series) if ent.update(stats(s, attn_entropy={"h.0.attn": e}))]
     assert warned == [1, 5]
     assert ent.update(stats(9)) == []  # not a log step: nothing measured, nothing said
-    lz = LogZMonitor(threshold=50)
+    lz = LogZMonitor(LogZConfig(threshold=50))
     vals = [5.0, 60.0, 70.0, 6.0, float("nan"), 80.0]
     out = [lz.update(stats(s, log_z={"mean": v, "max": v})) for s, v in enumerate(vals)]
     assert [bool(o) for o in out] == [False, True, False, False, False, True]  # NaN: not z-loss
@@ -214,7 +216,10 @@ def test_a_non_finite_model_gets_no_entropy_or_z_loss_advice():
     """The NaN is the verdict (the nonfinite monitor's): a NaN or collapsed-looking head and
     a huge log Z on a step whose loss is not finite say nothing; the same values on a
     finite step do."""
-    ent, lz = AttnEntropyMonitor(floor=0.05), LogZMonitor(threshold=50)
+    ent, lz = (
+        AttnEntropyMonitor(AttnEntropyConfig(floor=0.05)),
+        LogZMonitor(LogZConfig(threshold=50)),
+    )
     nan = float("nan")
     for s, loss in enumerate((nan, float("inf"))):
         st = stats(s, attn_entropy={"h.0.attn": 0.001, "h.1.attn": nan},

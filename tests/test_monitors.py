@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,16 +12,25 @@ from stabilize.monitors import (
     ROLLBACK,
     SKIP,
     WARN,
+    ActivationConfig,
     ActivationMonitor,
+    LossScaleConfig,
     LossScaleMonitor,
     MonitorConfig,
     MonitorSuite,
     NonFiniteMonitor,
+    SpikeConfig,
     SpikeDetector,
     StepStats,
     theil_sen_slope,
     verdict,
 )
+
+
+def spike(name, **settings):
+    """A detector with the window's MAD (not trend-robust: ``SpikeConfig``), a rollback on a
+    spike, and exactly the settings a test names (warmup and threshold always)."""
+    return SpikeDetector(SpikeConfig(**settings), name)
 
 
 def noisy(n, seed=0, level=2.0, sigma=0.05):
@@ -29,7 +39,7 @@ def noisy(n, seed=0, level=2.0, sigma=0.05):
 
 
 def test_spike_detector_quiet_on_noise_fires_on_a_spike():
-    d = SpikeDetector("grad_spike", window=50, warmup=20, threshold=6.0)
+    d = spike("grad_spike", window=50, warmup=20, threshold=6.0)
     series = noisy(200)
     assert not any(d.update(s, float(v)) for s, v in enumerate(series))
     ev = d.update(200, 20.0)  # 10x the level
@@ -39,17 +49,17 @@ def test_spike_detector_quiet_on_noise_fires_on_a_spike():
 
 
 def test_spike_detector_warmup_nonfinite_and_state():
-    d = SpikeDetector("loss_spike", window=30, warmup=10, threshold=5.0)
+    d = spike("loss_spike", window=30, warmup=10, threshold=5.0)
     for s in range(9):
         assert d.update(s, 1.0 + 0.01 * s) == []
     assert d.update(9, 100.0) == []  # still warming up: no verdict, value recorded
-    d2 = SpikeDetector("loss_spike", window=30, warmup=10, threshold=5.0)
+    d2 = spike("loss_spike", window=30, warmup=10, threshold=5.0)
     for s in range(10):
         d2.update(s, 1.0 + 0.01 * (s % 3))
     n = len(d2.values)
     assert d2.update(10, math.nan) == [] and d2.update(11, math.inf) == []
     assert len(d2.values) == n  # non-finite never enters
-    d3 = SpikeDetector("loss_spike", window=30, warmup=10, threshold=5.0)
+    d3 = spike("loss_spike", window=30, warmup=10, threshold=5.0)
     d3.load_state_dict(d2.state_dict())
     assert [e.kind for e in d3.update(12, 50.0)] == [e.kind for e in d2.update(12, 50.0)]
 
@@ -64,12 +74,12 @@ def test_spike_detector_matches_a_direct_median_mad_rule_on_a_heavy_tailed_serie
     rng = np.random.default_rng(3)
     base = np.round(2.0 + 0.3 * rng.standard_t(2, 3000), 2)  # rounded: many ties
     base[rng.choice(3000, 60, replace=False)] *= rng.uniform(3, 30, 60)
-    d = SpikeDetector("loss_spike", window=40, warmup=15, threshold=5.0, min_ratio=1.5)
+    d = spike("loss_spike", window=40, warmup=15, threshold=5.0, min_ratio=1.5)
     window: deque[float] = deque(maxlen=40)
     fired = 0
     for step, v in enumerate(base.tolist()):
         if step == 1500:  # a resumed run: the window comes back from the state dict
-            d2 = SpikeDetector("loss_spike", window=40, warmup=15, threshold=5.0, min_ratio=1.5)
+            d2 = spike("loss_spike", window=40, warmup=15, threshold=5.0, min_ratio=1.5)
             d2.load_state_dict(d.state_dict())
             d = d2
         expect = False
@@ -90,7 +100,7 @@ def test_spike_detector_matches_a_direct_median_mad_rule_on_a_heavy_tailed_serie
 def test_spike_score_over_a_flat_window_is_finite_and_the_verdict_still_holds():
     """A constant history has MAD 0: the sigma is floored at 1% of the median (issue 11:
     it used to report "1.5e11 robust sigmas"), so the score is finite and says how far."""
-    d = SpikeDetector("grad_spike", window=50, warmup=20, threshold=6.0, min_ratio=1.5)
+    d = spike("grad_spike", window=50, warmup=20, threshold=6.0, min_ratio=1.5)
     for s in range(30):
         assert d.update(s, 2.0) == []
     assert d.score(2.0) == 0.0
@@ -104,7 +114,7 @@ def test_spike_score_over_a_flat_window_is_finite_and_the_verdict_still_holds():
 def test_tiny_jitter_over_a_flat_window_is_not_a_spike_even_without_the_ratio_rule():
     """With min_ratio at 1 only the z-score judges: a rise of a few fp16 ulps (2^-9 at 2)
     over a flat window is 0.2-0.5 sigma, not a spike; the unfloored MAD called it ~1e9."""
-    d = SpikeDetector("loss_spike", window=50, warmup=20, threshold=6.0, min_ratio=1.0)
+    d = spike("loss_spike", window=50, warmup=20, threshold=6.0, min_ratio=1.0)
     for s in range(30):
         d.update(s, 2.0)
     for s, v in enumerate((2.0 + 2**-9, 2.0 + 2**-8, 2.01), start=30):
@@ -114,7 +124,7 @@ def test_tiny_jitter_over_a_flat_window_is_not_a_spike_even_without_the_ratio_ru
 
 
 def test_a_window_of_zeros_scores_finitely():
-    d = SpikeDetector("grad_spike", window=30, warmup=10, threshold=6.0)
+    d = spike("grad_spike", window=30, warmup=10, threshold=6.0)
     for s in range(15):
         d.update(s, 0.0)
     assert d.score(1e-3) == pytest.approx(1e3)  # against the absolute floor 1e-6
@@ -123,7 +133,7 @@ def test_a_window_of_zeros_scores_finitely():
 
 def test_spike_detector_rejects_warmup_longer_than_window():
     with pytest.raises(ValueError, match="monitor.x.warmup=20 is not allowed"):
-        SpikeDetector("x", window=10, warmup=20)
+        spike("x", window=10, warmup=20, threshold=6.0)
 
 
 def test_theil_sen_matches_least_squares_on_clean_data_and_ignores_outliers():
@@ -150,7 +160,7 @@ def test_theil_sen_is_the_median_of_all_pairwise_slopes(w):
 
 
 def test_activation_warns_once_per_crossing_of_256():
-    m = ActivationMonitor(threshold=256.0)
+    m = ActivationMonitor(ActivationConfig())  # the 256 line
     kinds = []
     for s, v in enumerate([100, 200, 300, 310, 250, 400]):
         kinds.append(
@@ -164,7 +174,7 @@ def test_activation_warns_once_per_crossing_of_256():
 
 
 def test_forecast_of_a_geometric_drift_matches_the_hand_computed_crossing():
-    m = ActivationMonitor(threshold=256.0, horizon=30, window=32)
+    m = ActivationMonitor(replace(ActivationConfig(), horizon=30, window=32))
     rng = np.random.default_rng(1)
     growth = 1.05
     warned_at = None
@@ -182,14 +192,14 @@ def test_forecast_of_a_geometric_drift_matches_the_hand_computed_crossing():
 
 
 def test_flat_or_falling_series_forecasts_no_crossing():
-    m = ActivationMonitor(threshold=256.0)
+    m = ActivationMonitor(ActivationConfig())  # the 256 line
     for s in range(40):
         m.update(StepStats(s, 1.0, act_max={"a": 50.0 * 0.99**s, "b": 50.0}))
     assert m.forecast == {"a": math.inf, "b": math.inf}
 
 
 def test_overflow_counts_become_events_with_dead_tokens():
-    m = ActivationMonitor(on_overflow="rollback")
+    m = ActivationMonitor(replace(ActivationConfig(), on_overflow="rollback"))
     ev = m.update(
         StepStats(5, 1.0, norm_overflow={"h.1.ln_1": 3.0}, norm_collapsed={"h.1.ln_1": 2.0})
     )
@@ -203,14 +213,14 @@ def test_nonfinite_and_loss_scale():
     assert nf.update(StepStats(1, 2.0, grad_norm=math.inf))[0].kind == ROLLBACK
     # fp16: an inf gradient is the scaler's business, not a NaN event
     assert nf.update(StepStats(1, 2.0, grad_norm=math.inf, loss_scale=1024.0)) == []
-    ls = LossScaleMonitor(floor=1.0, max_consecutive_skips=2)
+    ls = LossScaleMonitor(replace(LossScaleConfig(), max_consecutive_skips=2))
     kinds = [
         verdict(ls.update(StepStats(s, 2.0, loss_scale=2.0 ** (10 - s), scaler_skipped=True)))
         for s in range(4)
     ]
     assert kinds == [SKIP, SKIP, ROLLBACK, ROLLBACK]
     assert ls.total_skips == 4
-    ls2 = LossScaleMonitor(floor=1.0)
+    ls2 = LossScaleMonitor(LossScaleConfig())  # floor 1
     assert verdict(ls2.update(StepStats(9, 2.0, loss_scale=0.5))) == ROLLBACK
 
 

@@ -36,8 +36,8 @@ class ActivationConfig:
 
     enabled: bool = True
     """Run this monitor."""
-    threshold: float = 256.0
-    """The |x| max line: the fp16 square-overflow line (256^2 > 65504)."""
+    threshold: float = DANGER_LINE
+    """The |x| max line: 256, the fp16 square-overflow line (256^2 > 65504 = fp16 max)."""
     horizon: int = 40
     """Forecast warning: a crossing significant within this many steps (stabilize/monitors/
     forecast.py: both lines, |x| max vs ``threshold`` and row RMS vs 255.94/sqrt(D))."""
@@ -143,68 +143,29 @@ class ActivationMonitor:
 
     @classmethod
     def from_config(cls, name: str, c: ActivationConfig) -> ActivationMonitor:
-        return cls(
-            c.threshold,
-            c.horizon,
-            c.window,
-            min_points=c.forecast_start,
-            on_overflow=c.on_overflow,
-            z=c.forecast_z,
-            noise_window=c.noise_window,
-            damped=c.forecast_damped,
-            reach=c.forecast_reach,
-            rate_noise=c.forecast_rate_noise,
-            climb=c.forecast_climb,
-            confirm=c.forecast_confirm,
-            slow_steps=c.forecast_slow_steps,
-            line="fp16_square" if c.line == "auto" else c.line,
-            activation_dtype=c.activation_dtype,
-        )
+        return cls(c)
 
-    def __init__(
-        self,
-        threshold: float = DANGER_LINE,
-        horizon: int = 40,
-        window: int = 8,
-        min_points: int = 4,
-        on_overflow: str = "warn",
-        z: float = 3.0,
-        noise_window: int = 32,
-        damped: bool = True,
-        reach: float = 2.0,
-        rate_noise: float = 0.0,
-        climb: float = 1.0,
-        confirm: int = 1,
-        slow_steps: float = 0.0,
-        line: str = "fp16_square",
-        activation_dtype: str = "fp32",
-    ):
-        """The forecast runs only where the line is a danger (``line=fp16_square``): with an
-        fp32/bf16 reduction nothing can overflow there, and it stays silent."""
-        self.threshold, self.horizon = threshold, horizon
-        self.on_overflow = ROLLBACK if on_overflow == "rollback" else WARN
+    def __init__(self, c: ActivationConfig | None = None):
+        """Built from ``monitor.activation``'s settings (None: the dataclass's defaults, the
+        ones a run composes). ``line=auto`` (a monitor built without a run, whose
+        ``resolve_line`` decides it) is treated as fp16_square, today's line. The forecast
+        runs only where the line is a danger (``line=fp16_square``): with an fp32/bf16
+        reduction nothing can overflow there, and it stays silent."""
+        self.c = c = c or ActivationConfig()
+        self.threshold, self.horizon = c.threshold, c.horizon
+        self.on_overflow = ROLLBACK if c.on_overflow == "rollback" else WARN
         # the crossing's severity and wording follow the run (resolve_line)
-        self.line = line
-        self.line_kind = WARN if line == "fp16_square" else INFO
-        self.meaning = line_meaning(line, activation_dtype)
-        self.forecaster = LineForecaster(
-            horizon,
-            window,
-            min_points,
-            z,
-            noise_window,
-            damped=damped,
-            reach=reach,
-            rate_noise=rate_noise,
-            climb=climb,
-        )
+        self.line = "fp16_square" if c.line == "auto" else c.line
+        self.line_kind = WARN if self.line == "fp16_square" else INFO
+        self.meaning = line_meaning(self.line, c.activation_dtype)
+        self.forecaster = LineForecaster(c)
         self.above: set[str] = set()  # layers currently past the line (warn once per crossing)
         self.forecast: dict[str, float] = {}  # layer -> steps left (inf: not rising)
         # layer -> the step it was warned at: once per approach, and again once that
         # warning's horizon has passed with no crossing (it has expired)
         self.forecast_warned: dict[str, int] = {}
         self._rms_line: dict[int, float] = {}  # D -> 255.94 / sqrt(D)
-        self.confirm, self.slow_steps = confirm, slow_steps
+        self.confirm, self.slow_steps = c.forecast_confirm, c.forecast_slow_steps
         self._streak: dict[str, int] = {}  # layer -> consecutive steps with a significant crossing
 
     def update(self, stats: StepStats) -> list[Event]:

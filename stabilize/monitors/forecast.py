@@ -43,12 +43,17 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # activations.py imports this module: the config is only named here
+    from stabilize.monitors.activations import ActivationConfig
 
 Unit = tuple[str, str]  # (layer, "abs" | "rms")
 _PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # W -> (i, j, j - i)
 _MAD = 1.4826  # MAD -> standard deviation for Gaussian noise
+MIN_SIGMA = 0.01  # the one-step noise is never taken below this (in log: a 1% fluctuation)
 
 
 def theil_sen_slope(y: np.ndarray) -> np.ndarray:
@@ -153,23 +158,16 @@ class LineForecaster:
     """Per-unit history and learned noise; ``update`` once per step with every unit's
     (value, line); returns the units' projections."""
 
-    def __init__(
-        self,
-        horizon: int = 40,
-        window: int = 8,
-        min_points: int = 4,
-        z: float = 3.0,
-        noise_window: int = 32,
-        min_sigma: float = 0.01,
-        damped: bool = True,
-        reach: float = 2.0,
-        rate_noise: float = 0.0,
-        climb: float = 1.0,
-    ):
-        self.horizon, self.window, self.z, self.damped = horizon, window, z, damped
-        self.reach, self.rate_noise, self.climb = reach, rate_noise, climb
-        self.min_points = max(3, min(min_points, window))
-        self.noise_window, self.min_sigma = noise_window, min_sigma
+    def __init__(self, c: ActivationConfig):
+        """Built from ``monitor.activation``'s forecast settings: ``horizon``, ``window``,
+        ``forecast_start`` (at least 3 and at most ``window`` points), ``forecast_z``,
+        ``noise_window``, ``forecast_damped``, ``forecast_reach``, ``forecast_rate_noise``
+        and ``forecast_climb``."""
+        self.horizon, self.window, self.z = c.horizon, c.window, c.forecast_z
+        self.damped, self.reach = c.forecast_damped, c.forecast_reach
+        self.rate_noise, self.climb = c.forecast_rate_noise, c.forecast_climb
+        self.min_points = max(3, min(c.forecast_start, c.window))
+        self.noise_window, self.min_sigma = c.noise_window, MIN_SIGMA
         self.hist: dict[Unit, deque[float]] = {}
         self.dev: dict[Unit, deque[float]] = {}  # |increment - slope| as each was seen
         self.slope: dict[Unit, float] = {}  # last fitted slope per unit

@@ -85,10 +85,12 @@ class LossScaleMonitor:
 
     @classmethod
     def from_config(cls, name: str, c: LossScaleConfig) -> LossScaleMonitor:
-        return cls(c.floor, c.max_consecutive_skips)
+        return cls(c)
 
-    def __init__(self, floor: float = 1.0, max_consecutive_skips: int = 10):
-        self.floor, self.max_skips = floor, max_consecutive_skips
+    def __init__(self, c: LossScaleConfig | None = None):
+        """Built from ``monitor.loss_scale``'s settings (None: the dataclass's defaults)."""
+        self.c = c = c or LossScaleConfig()
+        self.floor, self.max_skips = c.floor, c.max_consecutive_skips
         self.consecutive = 0
         self.total_skips = 0
 

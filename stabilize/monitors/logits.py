@@ -83,6 +83,7 @@ class AttnLogitMonitor:
         return cls(c)
 
     def __init__(self, c: AttnLogitConfig | None = None):
+        """Built from ``monitor.attn_logit``'s settings (None: the dataclass's defaults)."""
         self.c = c or AttnLogitConfig()
         self.kind = ROLLBACK if self.c.action == "rollback" else WARN
         self.history: dict[str, deque[float]] = {}  # block -> log bound, recent steps
@@ -155,10 +156,12 @@ class AttnEntropyMonitor:
 
     @classmethod
     def from_config(cls, name: str, c: AttnEntropyConfig) -> AttnEntropyMonitor:
-        return cls(c.floor)
+        return cls(c)
 
-    def __init__(self, floor: float = 0.05):
-        self.floor = floor
+    def __init__(self, c: AttnEntropyConfig | None = None):
+        """Built from ``monitor.attn_entropy``'s settings (None: the dataclass's defaults)."""
+        self.c = c = c or AttnEntropyConfig()
+        self.floor = c.floor
         self.below: set[str] = set()  # one warning per fall (re-armed above 10x the floor)
 
     def update(self, stats: StepStats) -> list[Event]:
@@ -216,10 +219,12 @@ class LogZMonitor:
 
     @classmethod
     def from_config(cls, name: str, c: LogZConfig) -> LogZMonitor:
-        return cls(c.threshold)
+        return cls(c)
 
-    def __init__(self, threshold: float = 50.0):
-        self.threshold = threshold
+    def __init__(self, c: LogZConfig | None = None):
+        """Built from ``monitor.log_z``'s settings (None: the dataclass's defaults)."""
+        self.c = c = c or LogZConfig()
+        self.threshold = c.threshold
         self.above = False
 
     def update(self, stats: StepStats) -> list[Event]:

@@ -31,7 +31,7 @@ import bisect
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from stabilize.monitors.events import ROLLBACK, WARN, Event, StepStats
@@ -43,25 +43,22 @@ ABS_FLOOR = 1e-6  # ... and >= 1e-6: a window of zeros still gives a finite scor
 
 
 class SpikeDetector:
-    def __init__(
-        self,
-        name: str,
-        window: int = 100,
-        warmup: int = 20,
-        threshold: float = 6.0,
-        min_ratio: float = 1.5,
-        kind: str = ROLLBACK,
-        trend_robust: bool = False,
-    ):
-        """``min_ratio``: also require value > min_ratio * median, so that a near-constant
-        series (MAD ~ 0) does not call every wiggle a spike."""
+    def __init__(self, c: SpikeConfig, name: str | None = None):
+        """Built from a spike section's settings (``GradSpikeConfig``, ``LossSpikeConfig``:
+        ``window``, ``warmup``, ``threshold``, ``min_ratio``, ``action``, and the class's
+        ``trend_robust``); ``name``: the section its events are named by (default
+        ``c.section``). ``min_ratio``: also require value > min_ratio * median, so that a
+        near-constant series (MAD ~ 0) does not call every wiggle a spike."""
+        name = c.section if name is None else name
+        window, warmup = c.window, c.warmup
         if warmup > window:
             raise ValueError(
                 f"monitor.{name}.warmup={warmup} is not allowed; must be <= window={window}"
             )
         self.name, self.window, self.warmup = name, window, warmup
-        self.threshold, self.min_ratio, self.kind = threshold, min_ratio, kind
-        self.trend_robust = trend_robust
+        self.threshold, self.min_ratio = c.threshold, c.min_ratio
+        self.kind = ROLLBACK if c.action == "rollback" else WARN
+        self.trend_robust = c.trend_robust
         self.values: deque[float] = deque(maxlen=window)
         self._sorted: list[float] = []  # the window's values in order: the median is O(1)
 
@@ -134,19 +131,23 @@ class SpikeDetector:
 @dataclass
 class SpikeConfig:
     """One spike detector on one series; each section that runs one has its subclass
-    (``GradSpikeConfig``, ``LossSpikeConfig``): its own defaults, and its own key in errors."""
+    (``GradSpikeConfig``, ``LossSpikeConfig``): its own defaults, and its own key in errors.
+    ``warmup`` and ``threshold`` have no default here: each section sets its own."""
 
     section: ClassVar[str] = "spike"
     """The ``monitor.<section>`` the settings are read from (named by every error)."""
+    trend_robust: ClassVar[bool] = False
+    """Estimate sigma from successive differences (module docstring): a falling loss early
+    in a run does not inflate it; a grad norm falls less, and keeps the window's MAD."""
 
     enabled: bool = True
     """Run this monitor."""
     window: int = 100
     """Steps in the rolling median/MAD window."""
-    warmup: int = 20
+    warmup: int = field(kw_only=True)
     """No verdict before the window holds this many values."""
-    threshold: float = 6.0
-    """Robust z-score (median/MAD) above which a value is a spike ..."""
+    threshold: float = field(kw_only=True)
+    """Robust z-score (median / MAD) above which a value is a spike ..."""
     min_ratio: float = 1.5
     """... and only when value > min_ratio x median."""
     action: str = "rollback"
@@ -161,11 +162,11 @@ class SpikeConfig:
         check_choice(f"{key}.action", self.action, ("warn", "rollback"))
 
 
-# Gradient clipping absorbs most grad-norm spikes, and small batches have real 10-20x ones
-# (measured on the tiny model): warn by default. A loss spike is the PaLM case.
 @dataclass
 class GradSpikeConfig(SpikeConfig):
-    """``monitor.grad_spike``: the pre-clip gradient norm's spikes."""
+    """``monitor.grad_spike``: the pre-clip gradient norm's spikes. Clipping absorbs most,
+    and small batches have real 10-20x ones (measured on the tiny model): it warns by
+    default. A loss spike is the PaLM case."""
 
     section: ClassVar[str] = "grad_spike"
     warmup: int = 50
@@ -179,7 +180,10 @@ class LossSpikeConfig(SpikeConfig):
     """``monitor.loss_spike``: the loss's spikes."""
 
     section: ClassVar[str] = "loss_spike"
-    warmup: int = 8  # its sigma is trend-robust: a few values suffice (module docstring)
+    trend_robust: ClassVar[bool] = True
+    warmup: int = 8
+    """Its sigma comes from step-to-step differences (``trend_robust``): a falling loss does
+    not blind it, and a few values suffice (module docstring)."""
     threshold: float = 8.0
 
 
@@ -193,10 +197,7 @@ class SpikeMonitor:
 
     @classmethod
     def from_config(cls, name: str, c: SpikeConfig, *, series: str) -> SpikeMonitor:
-        kind = ROLLBACK if c.action == "rollback" else WARN
-        trend = isinstance(c, LossSpikeConfig)  # a loss falls fast early; a grad norm less so
-        detector = SpikeDetector(name, c.window, c.warmup, c.threshold, c.min_ratio, kind, trend)
-        return cls(detector, series)
+        return cls(SpikeDetector(c, name), series)
 
     @property
     def kind(self) -> str:
