@@ -41,7 +41,8 @@ class ActivationDriftConfig(FaultConfig):
     cross: float = 256.0
     """The line ``cross_step`` refers to (256: the first fp16 square that is inf)."""
     channels: int | None = None
-    """Drift only the first k channels, an outlier feature (None: all)."""
+    """Drift only the first k channels, an outlier feature (None: all). ``stream_drift``:
+    must stay None, the whole stream scales (``activation_drift`` for an outlier)."""
     keep_growing: bool = False
     """Past the target: hold (False) or keep the rate (True)."""
 

@@ -117,7 +117,8 @@ class PoisonedItemConfig(FaultConfig):
     step: int = 1
     """Unused: the sequence, not the step, is poisoned."""
     item: int = 0
-    """The training block (corpus item index) whose content is poisoned."""
+    """The training block (corpus item index) whose content is poisoned: its sequence gives
+    NaN wherever it is trained."""
 
     def check(self) -> None:
         check_range("fault.item", self.item, 0, float("inf"))

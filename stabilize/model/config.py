@@ -37,9 +37,14 @@ SITE_KEYS = ("reduction_dtype", "eps")  # what model.norm_sites may set per norm
 
 @dataclass
 class GPTConfig:
-    name: str = "custom"  # the preset it came from, for logs and reports
+    """``model`` (configs/model/, one file per preset); the norm is its own group
+    (``norm``, configs/norm/)."""
+
+    name: str = "custom"
+    """The preset it came from (``PRESETS``), for logs and reports."""
     vocab_size: int = 256
-    block_size: int = 128  # the context length
+    block_size: int = 128
+    """The context length."""
     n_layer: int = 2
     n_head: int = 4
     d_model: int = 128
@@ -47,13 +52,16 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     activation: str = "gelu_tanh"
+    """gelu_tanh (GPT-2's "gelu_new") | gelu."""
     init_std: float = 0.02
-    z_loss: float = 0.0  # PaLM's auxiliary loss coefficient * mean(log Z^2); 0: off
-    logit_softcap: float = 0.0  # Gemma 2: logits -> cap * tanh(logits / cap); 0: off
+    z_loss: float = 0.0
+    """PaLM's z-loss coefficient: + z_loss * mean(log Z^2) on the loss; 0: off."""
+    logit_softcap: float = 0.0
+    """Gemma 2's soft cap: logits -> cap * tanh(logits / cap); 0: off."""
     norm: NormConfig = field(default_factory=NormConfig)
-    # per-site norm settings over ``norm``'s: module name -> {reduction_dtype, eps}, e.g.
-    # {"h.1.ln_2": {"reduction_dtype": "fp32"}} (what ``stabilize-replay --bisect`` prints)
     norm_sites: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per-norm settings over ``norm``'s: module name -> {reduction_dtype, eps}, e.g.
+    {h.1.ln_2: {reduction_dtype: fp32}} (``stabilize-replay --bisect`` prints one)."""
 
     def __post_init__(self) -> None:
         self.norm = build_dataclass(NormConfig, self.norm, "norm")

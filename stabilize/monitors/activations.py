@@ -69,9 +69,9 @@ class ActivationConfig:
     forecast_confirm: int = 1
     """Steps in a row a crossing must be significant before it is warned."""
     forecast_rate_noise: float = 0.0
-    """How much of the rate's own step-to-step drift the pessimistic path allows for (0: the
-    rate is known up to its fit's error; 1: a rate that wandered by tau a step may wander
-    as much ahead, ~tau h^1.5 in h steps)."""
+    """How much of the rate's own step-to-step drift the pessimistic path allows for (0: off,
+    the rate is known up to its fit's error; 1: a rate that wandered by tau a step may
+    wander as much ahead, ~tau h^1.5 in h steps). docs/forecast.md has the trade-off."""
     on_overflow: str = "warn"
     """warn | rollback, when a norm's reduction overflows."""
     line: str = "auto"
@@ -81,8 +81,9 @@ class ActivationConfig:
     fp16_square with an fp16 reduction, info otherwise; a monitor built without a run
     treats auto as fp16_square, today's line."""
     activation_dtype: str = "fp32"
-    """The dtype the run's activations are held in; set by the run from ``precision.name``
-    (``resolve_line``), it words the info message (fp16 activations overflow at 65504)."""
+    """The dtype the run's activations are held in: fp32 | bf16 | fp16. Filled in by the run
+    from ``precision.name`` (``resolve_line``; a value set here is replaced), it words the
+    info message (fp16 activations overflow at 65504)."""
 
     def __post_init__(self):
         check_positive("monitor.activation.threshold", self.threshold)

@@ -47,7 +47,8 @@ def loglinear_forecast(logs: list[float], target: float) -> tuple[float, float, 
 
 @dataclass
 class AttnLogitConfig:
-    """``monitor.attn_logit``: the attention-logit bound's line and its forecast."""
+    """``monitor.attn_logit``: the attention-logit bound (max|q| max|k| / sqrt(d)), its line
+    and its forecast."""
 
     enabled: bool = True
     """Run this monitor (the bound is then measured every step, not only on log steps)."""
@@ -58,7 +59,7 @@ class AttnLogitConfig:
     window: int = 16
     """Steps in the forecast's robust log-linear fit."""
     forecast_min: float = 100.0
-    """No forecast below this bound (a healthy or qk-normed run sits at ~1-20)."""
+    """No forecast below this bound (a healthy run sits at ~1-20; qk-norm keeps it ~12)."""
     action: str = "warn"
     """warn | rollback, when a block's bound crosses the line (a forecast only warns)."""
 
@@ -202,12 +203,13 @@ class AttnEntropyMonitor:
 
 @dataclass
 class LogZConfig:
-    """``monitor.log_z``: the output logits' log-partition log Z."""
+    """``monitor.log_z``: the output logits' log-partition log Z (logsumexp), every step."""
 
     enabled: bool = True
     """Run this monitor (log Z is measured every step)."""
     threshold: float = 50.0
-    """Warn when the step's largest |log Z| passes this (nats)."""
+    """Warn when the step's largest |log Z| passes this (nats); ``model.z_loss`` pulls it
+    to 0."""
 
     def __post_init__(self):
         check_positive("monitor.log_z.threshold", self.threshold)

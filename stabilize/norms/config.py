@@ -22,13 +22,14 @@ class NormConfig:
     """
 
     type: str = "layernorm"
-    """A registered norm type (``NORM_TYPES``: layernorm, rmsnorm, scalenorm, ...)."""
+    """A registered norm type (``NORM_TYPES``: layernorm, rmsnorm, scalenorm, ...;
+    stabilize/norms/zoo.py)."""
     eps: float = 1e-5
     """Added to the statistic inside the square root, in the reduction dtype."""
     affine: bool = True
     """Learn gamma (and beta where the type has one)."""
     bias: bool = True
-    """LayerNorm's beta; ignored by types without one (RMSNorm, ScaleNorm)."""
+    """LayerNorm's beta; ignored by types without one (rmsnorm, scalenorm)."""
     reduction_dtype: str = "fp32"
     """dtype of the mean / sum of squares and of eps: fp32 | bf16 | fp16 | input."""
     backend: str = "auto"

@@ -30,7 +30,7 @@ class RollbackConfig:
     durable_every: int = 100
     """M: also to disk (run_dir/snapshots) every M steps (0: never)."""
     durable_async: bool = True
-    """Write to disk on a background thread (DurableWriter)."""
+    """Write to disk on a background thread (DurableWriter); training goes on meanwhile."""
     keep_durable: int = 3
     """Durable snapshots kept on disk, the newest by step (-1: all); older ones are deleted
     after each write, so a long run's disk use is bounded."""
@@ -43,21 +43,21 @@ class RollbackConfig:
     rungs that fit the fault's class, in this order (none fit: the whole ladder); without:
     one per successive rollback for the same monitor."""
     classify: bool = True
-    """Re-run a faulty step to classify the fault (transient, deterministic, data-linked;
-    docs/rollback.md) and pick the remedy by its class."""
+    """Re-run a faulty step to classify the fault (docs/rollback.md) and pick the remedy by
+    its class: transient -> retry, data-linked -> skip_rows, deterministic -> the rest."""
     remedy: dict[str, Any] = field(default_factory=dict)
     """Each remedy's own settings, ``rollback.remedy.<name>.<knob>``: one section per
     registered remedy with a config dataclass (``Remedy.config``), built into it; a section
     left out takes that dataclass's defaults (``cfg.remedy.skip_data.batches``)."""
     max_rollbacks: int = 5
-    """Rollbacks allowed in ``window`` steps; one more aborts."""
+    """Rollbacks allowed in ``window`` steps; one more stops the run (exit code 3)."""
     window: int = 1000
     """The span, in steps, ``max_rollbacks`` counts over."""
     bundle: str = "fault"
     """Repro bundles (stability/bundle.py, replayed by ``stabilize-replay``): ``fault``
     on every verdict that rolls back (or would, with rollback off), ``always`` on warnings
     and scaler skips too, ``off``."""
-    bundle_max_mb: float = 4096.0
+    bundle_max_mb: float = 4096
     """A bundle whose state would be larger is written without it (-1: no bound)."""
     bundle_keep: int = 5
     """Bundles kept under run_dir/bundles, the newest by step (-1: all)."""

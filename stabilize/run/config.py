@@ -45,16 +45,26 @@ RETIRED = (("monitor.activation", "forecast_slowing"),)  # now forecast_slow_ste
 
 @dataclass
 class OptimConfig:
+    """``optim`` (configs/optim/): AdamW, decoupled weight decay on matrices only; linear
+    warmup, then the schedule."""
+
     lr: float = 3e-4
-    weight_decay: float = 0.1  # decoupled (AdamW); never on norms, biases or embeddings
+    """The peak learning rate (after the warmup)."""
+    weight_decay: float = 0.1
+    """Decoupled (AdamW); never on norms, biases or embeddings."""
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     warmup_steps: int = 100
+    """Linear warmup from 0, in optimizer steps."""
     schedule: str = "cosine"
-    min_lr_ratio: float = 0.1  # the schedule's floor, as a fraction of lr
-    grad_clip: float = 1.0  # max global grad norm; 0 turns clipping off
+    """cosine | linear | constant, after the warmup."""
+    min_lr_ratio: float = 0.1
+    """The schedule's floor, as a fraction of lr."""
+    grad_clip: float = 1.0
+    """Max global grad norm; 0 turns clipping off."""
     accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step."""
 
     def __post_init__(self) -> None:
         check_positive("optim.lr", self.lr)
@@ -71,10 +81,17 @@ class OptimConfig:
 
 @dataclass
 class PrecisionConfig:
+    """``precision`` (configs/precision/): the run's dtype recipe."""
+
     name: str = "fp32"
-    # fp16-mixed only: GradScaler's dynamic loss scaling
+    """fp32 | fp16-mixed (fp32 master weights, fp16 autocast, dynamic loss scaling: real
+    fp16 on CPU too) | bf16-mixed | bf16-true (weights and activations in bf16, no fp32
+    master copy)."""
     init_scale: float = 2.0**16
+    """fp16-mixed only: GradScaler's initial loss scale (dynamic loss scaling); unused by the
+    others (bf16 needs no loss scaling)."""
     growth_interval: int = 2000
+    """fp16-mixed only: steps without an inf/NaN gradient before GradScaler doubles it."""
 
     def __post_init__(self) -> None:
         check_choice("precision.name", self.name, PRECISIONS)
@@ -84,32 +101,49 @@ class PrecisionConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 500  # optimizer steps; also the length of the LR schedule
-    stop_at_step: int | None = None  # stop cleanly here (as if interrupted); resume goes on
+    """``trainer`` (configs/trainer/): how long, how often, on what."""
+
+    max_steps: int = 500
+    """Optimizer steps; also the length of the LR schedule."""
+    stop_at_step: int | None = None
+    """Stop cleanly here, as if interrupted (resume=auto goes on)."""
     log_every_n_steps: int = 10
-    val_check_interval: int = 100  # in optimizer steps
+    val_check_interval: int = 100
+    """In optimizer steps."""
     limit_val_batches: int = 8
     checkpoint_every_n_steps: int = 100
-    keep_checkpoints: int = 5  # periodic ones kept, the newest; -1 keeps all (last.ckpt always)
+    keep_checkpoints: int = 5
+    """Periodic checkpoints kept, the newest (-1: all); last.ckpt always."""
     accelerator: str = "auto"
-    devices: Any = "auto"  # an int, or "auto" (under torchrun: the processes per node)
+    """auto | cpu | gpu (cuda)."""
+    devices: Any = "auto"
+    """An int, or "auto" (under torchrun: taken from its environment, the processes per
+    node)."""
     num_nodes: int = 1
     strategy: str = "auto"
+    """auto | ddp | fsdp."""
     deterministic: bool = False
-    progress: str = "auto"  # rich in a terminal, plain lines otherwise
-    compile: bool = False  # torch.compile the model (monitor hooks are traced with it)
-    # recompute each Block's forward in the backward (stabilize/model/recompute.py): the
-    # activations of 16 x 2048 tokens of gpt-1.3b then fit an 80 GB GPU, for ~1/3 more compute
+    progress: str = "auto"
+    """auto (rich in a terminal, plain lines otherwise) | rich | plain | none."""
+    compile: bool = False
+    """torch.compile the GPT (the monitors' hooks are compiled with it)."""
     activation_checkpointing: bool = False
-    # after training, score the whole held-out split (None), its first N batches, or not (0)
+    """Recompute each Block's forward in the backward (less memory;
+    stabilize/model/recompute.py): the activations of 16 x 2048 tokens of gpt-1.3b then fit
+    an 80 GB GPU, for ~1/3 more compute."""
     final_eval_batches: int | None = None
-    final_eval_tokens: int | None = 20_000_000  # ... at most this many tokens (None: no bound)
-    # signals that mean "preempted": finish the step, checkpoint, exit 4 (lit/preempt.py)
+    """After training: score the whole held-out split (None), its first N batches (N), or
+    not (0)."""
+    final_eval_tokens: int | None = 20_000_000
+    """... at most this many tokens (a 5% split of 10B tokens: not 30 min; None: no bound)."""
     preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM"])
-    # a rank with no progress for this long is named and the launch ends with exit 5
-    # (lit/watchdog.py); None: max(60 s, 5 x the median step); 0: no watchdog
+    """Signals that mean "preempted": finish the step, checkpoint, exit 4 (lit/preempt.py;
+    SLURM --signal: add SIGUSR1)."""
     hang_timeout_s: float | None = None
-    pg_timeout_s: float = 1800.0  # torch.distributed's collective timeout: the backstop
+    """No progress this long: the rank is named and the launch ends with exit 5
+    (lit/watchdog.py); None: max(60 s, 5 x the median step); 0: no watchdog."""
+    pg_timeout_s: float = 1800
+    """torch.distributed's collective timeout, the backstop."""
 
     def __post_init__(self) -> None:
         if self.hang_timeout_s is not None:
@@ -140,15 +174,22 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
+    """``logger`` (configs/logger/): W&B (offline unless WANDB_MODE or ``mode`` say
+    otherwise; ``wandb sync`` later) and a CSV log."""
+
     wandb: bool = True
-    mode: str = "offline"  # offline | online | disabled (WANDB_MODE wins when set)
+    """Log to W&B (rank 0 only)."""
+    mode: str = "offline"
+    """offline | online | disabled; the WANDB_MODE variable wins when set."""
     project: str = "stabilize"
     entity: str | None = None
-    group: str | None = None  # None: the experiment name, or the sweep's name in a multirun
+    group: str | None = None
+    """None: the experiment name, or the sweep's name under -m (a multirun)."""
     job_type: str = "train"
     tags: list[str] = field(default_factory=list)
     name: str | None = None
     csv: bool = True
+    """Also a CSV log (run_dir/csv), whatever W&B does."""
 
     def __post_init__(self) -> None:
         check_choice("logger.mode", self.mode, ("offline", "online", "disabled"))
@@ -160,10 +201,13 @@ class LoggerConfig:
 
 @dataclass
 class AuditConfig:
-    """Norm outputs against a float64 reference on held-out batches (lit/audit.py)."""
+    """``audit``: norm outputs against a float64 reference on held-out batches
+    (stabilize/lit/audit.py)."""
 
-    every: int = 0  # every N model steps; 0: only at the end of training
-    batches: int = 1  # validation batches per audit
+    every: int = 0
+    """Every N model steps (0: only at the end of training)."""
+    batches: int = 1
+    """Validation batches per audit."""
 
     def __post_init__(self) -> None:
         check_range("audit.every", self.every, 0, float("inf"))
@@ -181,11 +225,19 @@ def check_vocab(vocab_size: int, tokenizer_vocab: int, tokenizer: str) -> None:
 
 @dataclass
 class RunConfig:
-    name: str = "default"  # the experiment's name
-    arm: str | None = None  # a scenario's variant (configs/arm/), for reports and W&B
+    """The whole run: configs/train.yaml's own keys, and one section per group."""
+
+    name: str = "default"
+    """The experiment's name: the W&B group by default."""
+    arm: str | None = None
+    """A scenario's variant, set by configs/arm/*: the run's arm in a scenario (reports,
+    W&B)."""
     run_dir: str = "runs/default"
-    resume: str = "none"  # none | auto (newest intact checkpoint) | restart | a .ckpt path
-    resume_trusted: bool = False  # load the resume checkpoint with full pickle (stabilize/trust.py)
+    """Where the run writes (the CLI: Hydra's run dir, runs/<name>/<run id>)."""
+    resume: str = "none"
+    """none | auto (the newest intact checkpoint) | restart | path/to.ckpt."""
+    resume_trusted: bool = False
+    """True: unpickle the resume checkpoint fully (it could run code; stabilize/trust.py)."""
     seed: int = 1234
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -197,7 +249,9 @@ class RunConfig:
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
-    verbose: bool = False  # also third-party notices (stabilize/run/quiet.py), model summary
+    verbose: bool = False
+    """True: also third-party notices (stabilize/run/quiet.py) and Lightning's model
+    summary."""
 
     def __post_init__(self) -> None:
         check_name(self.name)
