@@ -79,6 +79,7 @@ class Registry(Mapping[str, T], Generic[T]):
         self.reserved = tuple(reserved)
         self._values: dict[str, T] = {}
         self._configs: dict[str, type | None] = {}
+        self._watchers: list[Callable[[], None]] = []
         self.names: Sequence[str] = Names(self)
 
     # ---- changing it --------------------------------------------------------------------
@@ -95,13 +96,27 @@ class Registry(Mapping[str, T], Generic[T]):
             )
         self._values[name] = value
         self._configs[name] = config
+        self._changed()
         return value
 
     def unregister(self, name: str) -> T:
         """Remove ``name`` (tests registering their own clean up with this)."""
         check_choice(self.key, name, self._values)
         del self._configs[name]
-        return self._values.pop(name)
+        value = self._values.pop(name)
+        self._changed()
+        return value
+
+    def watch(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` after every change (a name added or removed), so that what is built
+        from the registered names follows them (the Hydra config nodes of their settings,
+        stabilize/config_store.py). The same ``fn`` again: a no-op."""
+        if fn not in self._watchers:
+            self._watchers.append(fn)
+
+    def _changed(self) -> None:
+        for fn in self._watchers:
+            fn()
 
     # ---- reading it ---------------------------------------------------------------------
     def lookup(self, name: str, key: str | None = None) -> T:

@@ -24,14 +24,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 # Only what Hydra's app needs to start: ``stabilize-train --help`` and a bad override cost
-# Hydra alone; torch and the data stack load when a config is built, Lightning when a run
-# starts (scripts/bench_startup.py measures it; tests/test_startup.py checks it).
+# Hydra and the config dataclasses, whose defaults every option file starts from (their
+# modules load torch and the data stack); Lightning loads when a run starts
+# (scripts/bench_startup.py measures it; tests/test_startup.py checks it).
 import hydra
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from stabilize.config_store import store as store_defaults
 from stabilize.elastic import fresh_store_for_restart, restart_count
 from stabilize.exits import (
     EXIT_ABORT,
@@ -93,6 +95,10 @@ _RELAUNCH: dict[str, str] = {}  # output dir -> its relaunch subdir, once decide
 
 
 OmegaConf.register_new_resolver("stabilize.relaunch_subdir", relaunch_subdir, replace=True)
+
+# The dataclasses' defaults, which every option file of configs/ starts from, stored before
+# any config is composed: by the CLI, and by whoever imports this module to compose configs/.
+store_defaults()
 
 
 def _sweep_group() -> str | None:

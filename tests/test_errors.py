@@ -66,7 +66,7 @@ CASES = [
     (["fault.kind=cosmic_ray"], ["fault.kind='cosmic_ray'", "'nan_loss'"]),
     # item 8: the data and the model agree; the data files are usable
     (["model.vocab_size=100"], ["model.vocab_size=100", "'bytes' tokenizer", ">= 256"]),
-    (["data=hub"], ["data.name='???'", "data.source='hub'", "a dataset name"]),
+    (["data=hub"], ["data.name=None", "data.source='hub'", "a dataset name"]),
     (["data=local", "data.paths=[{inputs}/empty.txt]"], ["empty.txt", "is empty", "allowed"]),
     (["data=local", "data.paths=[{inputs}/nope.txt]"], ["nope.txt", "no such file"]),
     (["data=local", "data.paths=[{inputs}/short.txt]"], ["too small", "block_size=64"]),

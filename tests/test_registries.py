@@ -77,7 +77,7 @@ def test_a_registered_monitor_runs_in_training_and_its_events_reach_events_jsonl
 ):
     # a tiny byte-level model starts near ln(256) = 5.5 and stays above 4 for a few steps
     cfg = compose_run(
-        tmp_path, [*BASE, "trainer.max_steps=6", "+monitor.loss_ceiling.threshold=4.0"]
+        tmp_path, [*BASE, "trainer.max_steps=6", "monitor.loss_ceiling.threshold=4.0"]
     )
     assert cfg.monitor.loss_ceiling.threshold == 4.0
     assert cfg.to_dict()["monitor"]["loss_ceiling"] == {"enabled": True, "threshold": 4.0}
@@ -91,7 +91,7 @@ def test_a_registered_monitor_runs_in_training_and_its_events_reach_events_jsonl
 def test_a_registered_monitor_can_be_switched_off_and_unknown_sections_are_refused(
     tmp_path, loss_ceiling
 ):
-    cfg = compose_run(tmp_path, [*BASE, "+monitor.loss_ceiling.enabled=false"])
+    cfg = compose_run(tmp_path, [*BASE, "monitor.loss_ceiling.enabled=false"])  # no "+"
     assert "loss_ceiling" not in MonitorSuite(cfg.monitor).monitors
     with pytest.raises(ValueError, match=r"monitor.bogus is not a known setting; allowed: \["):
         compose_run(tmp_path, [*BASE, "+monitor.bogus.enabled=true"])

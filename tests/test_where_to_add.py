@@ -139,12 +139,13 @@ def test_the_four_rows_of_the_table_train_together_and_resume(tmp_path, added):
         "monitor.grad_spike.enabled=false",  # the new monitor alone must see the fault
         "norm.type=test_meanabs",
         "norm.backend=explicit",
-        "fault.kind=loss_blowup",
+        # each one's settings are composed with its defaults, as a built-in one's: no "+"
+        "fault=loss_blowup",  # a kind with no configs/fault/<kind>.yaml: its defaults
         "fault.step=5",
-        "+fault.scale=1e5",  # the fault's knob (none.yaml has only the common keys)
-        "+monitor.loss_line.threshold=100",
+        "fault.scale=1e5",
+        "monitor.loss_line.threshold=100",
         "rollback.ladder=[eps_up]",
-        "+rollback.remedy.eps_up.factor=4",
+        "rollback.remedy.eps_up.factor=4",
         "trainer.checkpoint_every_n_steps=3",
     ]
     cfg = compose_run(tmp_path, common)
@@ -192,3 +193,28 @@ def test_reapply_is_told_how_many_times_each_remedy_was_applied(added):
         unregister_remedy("counted")
     assert seen == [("counted", None, 3)]  # once per remedy, with its count, no config
     assert State.model[0].eps == pytest.approx(1e-5 * 2.0**2)  # compounded twice, once
+
+
+def test_the_added_settings_need_no_plus_and_leave_with_their_registration(tmp_path):
+    """Registered, a monitor's, a remedy's and a fault kind's settings are composed with their
+    defaults as a built-in one's are (``fault=<kind>`` too: the kind has no option file of its
+    own); unregistered, they are gone from the composed config again."""
+    register_monitor("loss_line", LossLineConfig, LossLine)
+    register_remedy(EpsUp())
+    register_fault(LossBlowup)
+    try:
+        cfg = compose_run(tmp_path, ["fault=loss_blowup", "monitor.loss_line.enabled=false"])
+        assert cfg.fault == LossBlowupConfig(kind="loss_blowup")
+        assert cfg.monitor.loss_line == LossLineConfig(enabled=False)
+        assert cfg.rollback.remedy.eps_up == EpsUpConfig()
+        # fault.kind alone keeps the option's keys: another kind's knob is appended, with +
+        cfg = compose_run(tmp_path, ["fault.kind=loss_blowup", "+fault.scale=3"])
+        assert cfg.fault == LossBlowupConfig(kind="loss_blowup", scale=3.0)
+    finally:
+        unregister_fault("loss_blowup")
+        unregister_remedy("eps_up")
+        unregister_monitor("loss_line")
+    cfg = compose_run(tmp_path, [])
+    assert "loss_line" not in cfg.monitor.sections and "eps_up" not in cfg.rollback.remedy
+    with pytest.raises(Exception, match=r"monitor\.loss_line\.threshold"):
+        compose_run(tmp_path, ["monitor.loss_line.threshold=5"])

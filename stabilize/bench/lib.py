@@ -27,7 +27,7 @@ import wandb  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-import stabilize.train  # noqa: E402  (also registers the config's resolvers)
+import stabilize.train  # noqa: E402  (the config's resolvers and the dataclasses' defaults)
 from stabilize.bench.stats import load_average  # noqa: E402
 from stabilize.lit.progress import PlainProgress  # noqa: E402
 from stabilize.paths import config_dir  # noqa: E402

@@ -93,7 +93,8 @@ class DataConfig:
                     f"data.{key}={getattr(self, key)!r} is not allowed with data.source="
                     f"{self.source!r}; allowed: [] (read only with data.source='local')"
                 )
-        # '???' is Hydra's "must be given" marker (configs/data/hub.yaml): not a name to fetch
+        # '???' is Hydra's "must be given" marker (a config saved when configs/data/hub.yaml
+        # held it, or a user's own): not a name to fetch
         named = isinstance(self.name, str) and self.name not in ("", "???")
         if (self.source == "hub") != named:
             allowed = "a dataset name or directory" if self.source == "hub" else "None (hub only)"

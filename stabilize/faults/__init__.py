@@ -11,8 +11,10 @@ Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike`` (``point.py``),
 Each has its config dataclass (``FaultConfig``'s common keys plus its own knobs);
 ``fault_config`` builds the one ``fault.kind`` names. To add one: subclass ``PointFault``
 (or ``Fault``), set ``kind`` and ``config`` (a ``FaultConfig`` subclass with its knobs),
-override the hooks it needs, decorate it with ``@register_fault``, import its module below,
-and add ``configs/fault/<kind>.yaml`` (the common keys and its knobs).
+override the hooks it needs, decorate it with ``@register_fault`` and import its module
+below: ``fault=<kind>`` then composes its dataclass's defaults. A ``configs/fault/<kind>.yaml``
+is optional (the built-in kinds have one: a comment, its ``kind``, what differs from those
+defaults).
 """
 
 from stabilize.faults.base import (

@@ -5,9 +5,9 @@ Each kind registers its class and its config dataclass (``Fault.config``): ``Fau
 itself for a kind with no settings of its own, else a subclass that adds only the kind's
 knobs (``GradSpikeConfig``: ``factor``). ``fault_config`` picks the dataclass by
 ``fault.kind``, so ``fault.factor`` is a setting of ``grad_spike`` only, and a knob of
-another kind is refused with the key, the value and the kind's keys. Each YAML of the
-group lists the common keys and its kind's knobs, with the dataclass's defaults
-(tests/test_configs.py).
+another kind is refused with the key, the value and the kind's keys. The dataclass holds
+the kind's defaults: ``fault=<kind>`` composes them (stabilize/config_store.py), and
+configs/fault/<kind>.yaml, where a kind has one, only what differs (tests/test_configs.py).
 
 This module imports no fault class (``base.py`` imports it): the kind's own cross-field
 checks are called through the registry (``Fault.validate``).
@@ -36,7 +36,8 @@ class FaultConfig:
     step: int = 100
     """The model step it fires at (drift: where it starts)."""
     rank: int | None = None
-    """The rank it fires on; None: every rank."""
+    """The rank it fires on; None: every rank (a ``bitflip`` on every rank leaves the
+    replicas agreeing: set one rank)."""
     persistent: bool = False
     """True: fires again each time the model reaches ``step`` (a deterministic bug, recurs
     after a rollback); False: once per run (a transient fault)."""

@@ -73,9 +73,11 @@ def check_recipes(spec: MapSpec, extra: list[str]) -> None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from stabilize.config_store import store
     from stabilize.paths import config_dir
     from stabilize.run.preflight import build_config
 
+    store()  # the dataclasses' defaults, which every option file starts from
     mine = [o for o in extra if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         for recipe in spec.recipes:

@@ -1,4 +1,4 @@
-"""The built-in monitors, registered under their config sections (configs/monitor/*.yaml).
+"""The built-in monitors, registered under their config sections (``monitor.<name>``).
 
 The order here is the suite's order, hence the order of a step's events in events.jsonl.
 """

@@ -1,11 +1,12 @@
 """The ``Monitor`` interface and the registry that maps a config section to a monitor.
 
-A monitor is registered under the name of its section in ``configs/monitor/*.yaml``
-(``monitor.<name>.*``) with its own config dataclass; ``MonitorConfig`` accepts exactly the
-registered sections and ``MonitorSuite`` builds and runs the enabled ones in registration
+A monitor is registered under the name of its config section (``monitor.<name>.*``) with
+its own config dataclass, whose defaults are the section's: the composed config holds one
+section per registered monitor (stabilize/config_store.py), ``MonitorConfig`` accepts exactly
+the registered sections and ``MonitorSuite`` builds and runs the enabled ones in registration
 order (the order of their events within a step). Built-in monitors are registered in
 ``stabilize/monitors/builtin.py``; a monitor from outside the package calls
-``register_monitor`` before the run's config is built.
+``register_monitor`` before the run's config is composed (its settings then need no ``+``).
 """
 
 from __future__ import annotations

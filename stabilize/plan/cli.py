@@ -36,6 +36,9 @@ def compose_run(overrides: list[str]) -> RunConfig:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from stabilize.config_store import store
+
+    store()  # the dataclasses' defaults, which every option file starts from
     args = list(overrides)
     if not any(a.partition("=")[0].lstrip("+~") == "run_dir" for a in args):
         args.insert(0, "run_dir=plan")

@@ -29,12 +29,14 @@ a transient fault, ``skip_data`` and ``skip_batch`` a data-linked one, the rest 
 numerics) a deterministic one.
 
 Each remedy's settings are its own config dataclass (``Remedy.config``), read from
-``rollback.remedy.<name>`` (``RollbackConfig.remedy``, configs/rollback/default.yaml); a
-remedy without settings has none. ``apply`` and ``reapply`` receive that config.
+``rollback.remedy.<name>`` (``RollbackConfig.remedy``; the composed config holds one section
+per remedy with settings, its dataclass's defaults: stabilize/config_store.py); a remedy
+without settings has none. ``apply`` and ``reapply`` receive that config.
 
 A remedy from outside the package: subclass ``Remedy``, set ``name`` (and ``config``, a
 dataclass of its settings), and ``register_remedy(MyRemedy())`` before the run's config is
-built (the ladder and ``rollback.remedy`` are checked against the registry).
+composed (the ladder and ``rollback.remedy`` are checked against the registry; its settings
+need no ``+``).
 """
 
 from __future__ import annotations
