@@ -19,3 +19,11 @@ def config_dir() -> Path:
     package = Path(__file__).resolve().parent
     bundled = package / "configs"
     return bundled if (bundled / "train.yaml").is_file() else package.parent / "configs"
+
+
+def default_cache_dir() -> Path:
+    """$STABILIZE_CACHE_DIR, else $XDG_CACHE_HOME/stabilize, else ~/.cache/stabilize."""
+    if os.environ.get("STABILIZE_CACHE_DIR"):
+        return Path(os.environ["STABILIZE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "stabilize"

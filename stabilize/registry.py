@@ -69,6 +69,18 @@ class Sections(dict):
             raise AttributeError(f"no section {name!r}; have {list(self)}") from None
 
 
+_ON_CHANGE: list[Callable[[], None]] = []
+
+
+def on_change(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` after every change of any registry (a name added or removed), so that
+    what is built from the registered names follows them (the Hydra config nodes of their
+    settings, stabilize/config_store.py); no registry need be imported for it. The same
+    ``fn`` again: a no-op."""
+    if fn not in _ON_CHANGE:
+        _ON_CHANGE.append(fn)
+
+
 class Registry(Mapping[str, T], Generic[T]):
     """name -> value (a class, an instance or a factory), each with an optional config
     dataclass. A read-only mapping; ``register`` and ``unregister`` change it."""
@@ -79,7 +91,6 @@ class Registry(Mapping[str, T], Generic[T]):
         self.reserved = tuple(reserved)
         self._values: dict[str, T] = {}
         self._configs: dict[str, type | None] = {}
-        self._watchers: list[Callable[[], None]] = []
         self.names: Sequence[str] = Names(self)
 
     # ---- changing it --------------------------------------------------------------------
@@ -107,15 +118,8 @@ class Registry(Mapping[str, T], Generic[T]):
         self._changed()
         return value
 
-    def watch(self, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` after every change (a name added or removed), so that what is built
-        from the registered names follows them (the Hydra config nodes of their settings,
-        stabilize/config_store.py). The same ``fn`` again: a no-op."""
-        if fn not in self._watchers:
-            self._watchers.append(fn)
-
     def _changed(self) -> None:
-        for fn in self._watchers:
+        for fn in _ON_CHANGE:
             fn()
 
     # ---- reading it ---------------------------------------------------------------------

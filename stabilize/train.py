@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 # Only what Hydra's app needs to start: ``stabilize-train --help`` and a bad override cost
-# Hydra and the config dataclasses, whose defaults every option file starts from (their
-# modules load torch and the data stack); Lightning loads when a run starts
-# (scripts/bench_startup.py measures it; tests/test_startup.py checks it).
+# Hydra and the config dataclasses' defaults, which every option file starts from (read from
+# their cache: the dataclasses' modules load torch and the data stack); Lightning loads when
+# a run starts (scripts/bench_startup.py measures it; tests/test_startup.py checks it).
 import hydra
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
@@ -277,6 +277,7 @@ def main() -> None:
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     if restart_count():  # a group torchrun restarted: its own store (stabilize/elastic.py)
         fresh_store_for_restart()
+    store_defaults()  # again: a name registered since this module's import (a plugin)
     try:
         _app()
     except (HydraException, OmegaConfBaseException) as e:

@@ -22,18 +22,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # A run that needs the fused CPU kernel builds it first rather than falling back while a
 # background build runs, so a run's norm backend never changes mid-run (stabilize/cpu_kernels.py).
 os.environ.setdefault("STABILIZE_KERNEL_WAIT", "1")
+# Under pytest-xdist (pyproject.toml: two workers on a 2-core machine) each worker and the
+# processes it starts use one thread: two workers of two threads each would fight for 2 cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Overrides that make any config a few-second CPU run.
+# Overrides that make any config a one-second CPU run: no W&B (a test that reads its offline
+# files adds logger=wandb), a final eval of 2 batches, and only the last.ckpt every run
+# writes (a test that resumes from a periodic checkpoint sets checkpoint_every_n_steps).
 FAST = [
     "trainer.max_steps=4",
     "trainer.log_every_n_steps=1",
     "trainer.val_check_interval=2",
     "trainer.limit_val_batches=2",
-    "trainer.checkpoint_every_n_steps=2",
+    "trainer.checkpoint_every_n_steps=1000",
+    "trainer.final_eval_batches=2",
     "trainer.progress=plain",
     "data.batch_size=4",
     "model.block_size=64",
     "optim.warmup_steps=2",
+    "logger=none",
 ]
 
 
@@ -43,7 +51,10 @@ def compose_run(run_dir, overrides=()):
     from omegaconf import OmegaConf
 
     import stabilize.train  # noqa: F401  registers the resolvers the config uses
+    from stabilize.config_store import store
     from stabilize.run.config import RunConfig
+
+    store()  # the dataclasses' defaults, with any name a test registered since
 
     with initialize_config_dir(str(CONFIGS), version_base="1.3"):
         cfg = compose("train", overrides=[f"run_dir={run_dir}", *overrides])
@@ -75,6 +86,41 @@ def csv_losses(version_dir) -> dict[int, float]:
     return series(rows, "train/loss")
 
 
+def train_cli(args, cwd, monkeypatch, capsys, env=None) -> subprocess.CompletedProcess:
+    """``stabilize-train ARGS`` in this process, in ``cwd`` with ``env`` set, exactly as the
+    console script runs it (real Hydra composition, real checks, ``sys.exit`` on a failure):
+    a CompletedProcess of its exit code and what it printed. A subprocess costs ~10 s of
+    Lightning import; keep those for signals, SIGKILL, torchrun and what must happen in
+    another process."""
+    from stabilize.train import main
+
+    monkeypatch.chdir(cwd)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["stabilize-train", *args])
+    capsys.readouterr()
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["stabilize-train", *args], code, out.out, out.err)
+
+
+def cli(args, cwd, monkeypatch, capsys) -> tuple[int, str]:
+    """``stabilize-train ARGS`` in this process (as ``train_cli``), which must exit through
+    ``sys.exit``: (exit code, stderr)."""
+    from stabilize.train import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["stabilize-train", *args])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main()
+    return e.value.code, capsys.readouterr().err
+
+
 def run_cli(args, cwd, env=None, timeout=600):
     """Run a command with the venv's executables first on PATH; returns CompletedProcess."""
     e = dict(os.environ)
@@ -82,6 +128,19 @@ def run_cli(args, cwd, env=None, timeout=600):
     e["PYTHON"] = sys.executable
     e.update(env or {})
     return subprocess.run(args, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(script: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node 2 tests/SCRIPT ARGS`` (CPU, gloo), one thread
+    a rank; asserts it exited 0 and returns the CompletedProcess."""
+    r = run_cli(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / "tests" / script), *args],
+        cwd=cwd,
+        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
 
 
 def launch_sh(run_dir, *overrides: str, cwd, nproc: int = 2, env=None):

@@ -37,7 +37,14 @@ NOISE = [
 def cli(run_dir, *args):
     # W&B's own console output on (conftest silences it for the other tests)
     r = run_cli(
-        ["stabilize-train", *FAST, "precision=fp16-mixed", *args, f"hydra.run.dir={run_dir}"],
+        [
+            "stabilize-train",
+            *FAST,
+            "logger=wandb",
+            "precision=fp16-mixed",
+            *args,
+            f"hydra.run.dir={run_dir}",
+        ],
         cwd=run_dir.parent,
         env={"WANDB_SILENT": "false", "WANDB_MODE": "offline"},
     )

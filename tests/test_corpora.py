@@ -30,7 +30,7 @@ from stabilize.data import (
 from stabilize.model import GPT
 from stabilize.train import run
 
-from conftest import FAST, compose_run, launch_sh, read_csv_metrics, run_cli, series
+from conftest import FAST, cli, compose_run, launch_sh, read_csv_metrics, series
 
 TEXTS = list(embedded_corpus()["text"])  # CPython's pydoc topics: ~465k characters of prose
 
@@ -148,7 +148,9 @@ def test_tokenizer_by_path_json_file_and_transformers_directory(tmp_path, hf_cac
         choose_tokenizer(local(corpus_txt, tmp_path, tokenizer=str(tmp_path)))
 
 
-def test_vocab_follows_the_tokenizer_and_a_mismatch_is_refused_before_anything(tmp_path):
+def test_vocab_follows_the_tokenizer_and_a_mismatch_is_refused_before_anything(
+    tmp_path, monkeypatch, capsys
+):
     bpe = ["data.tokenizer=bpe", "data.vocab_size=700"]
     assert compose_run(tmp_path, bpe).model.vocab_size == 700  # tiny's 256 followed
     assert compose_run(tmp_path, [*bpe, "model=gpt-125m"]).model.vocab_size == 700
@@ -161,19 +163,15 @@ def test_vocab_follows_the_tokenizer_and_a_mismatch_is_refused_before_anything(t
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         compose_run(tmp_path, [*bpe, "model.vocab_size=512"])
     run_dir = tmp_path / "cli"
-    r = run_cli(
-        ["stabilize-train", *bpe, "model.vocab_size=512", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-    )
-    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+    args = [*bpe, "model.vocab_size=512", f"hydra.run.dir={run_dir}"]
+    code, err = cli(args, tmp_path, monkeypatch, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
     assert not (run_dir / "config.json").exists() and not (run_dir / "checkpoints").exists()
     # A data error at start-up: one line too (the CLI prints ConfigErrors, exit code 2).
-    r = run_cli(
-        ["stabilize-train", "data.tokenizer=./no/tok.json", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-    )
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "data.tokenizer='./no/tok.json' is not allowed: no such file or directory" in r.stderr
+    args = ["data.tokenizer=./no/tok.json", f"hydra.run.dir={run_dir}"]
+    code, err = cli(args, tmp_path, monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "data.tokenizer='./no/tok.json' is not allowed: no such file or directory" in err
 
 
 def test_stream_dtype_uint16_where_the_vocabulary_fits_else_uint32(tmp_path, hf_cache):

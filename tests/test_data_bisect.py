@@ -20,11 +20,12 @@ import torch
 from test_stability import BASE, events, kinds
 
 from stabilize.data import StepSampler, block_hash, build_dataloaders, parse_skip_items
+from stabilize.replay import main as replay_main
 from stabilize.replay.bisect import data, minimize
 from stabilize.train import run
 from stabilize.validate import ConfigError
 
-from conftest import compose_run, run_cli
+from conftest import cli, compose_run
 
 COMMON = [
     *BASE, "data.batch_size=8", "trainer.max_steps=8", "data.max_chars=20000",
@@ -47,7 +48,7 @@ def _nonfinite(run_dir) -> list[dict]:
     return [e for e in kinds(events(run_dir), "rollback") if e["monitor"] == "nonfinite"]
 
 
-def test_a_poisoned_sequence_is_isolated_recorded_and_skipped_on_resume(tmp_path):
+def test_a_poisoned_sequence_is_isolated_recorded_and_skipped_on_resume(tmp_path, capsys):
     item, digest, again, n_items = _planted(tmp_path)
     assert again * 8 >= n_items  # it comes back in the next epoch (one epoch: n_items rows)
     a = tmp_path / "a"
@@ -63,9 +64,9 @@ def test_a_poisoned_sequence_is_isolated_recorded_and_skipped_on_resume(tmp_path
     control = tmp_path / "control"  # the same run dir, before the bisection records anything
     shutil.copytree(a, control)
 
-    r = run_cli(["stabilize-replay", "--data", str(bundle)], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    head, rec, other = r.stdout.strip().splitlines()
+    capsys.readouterr()
+    assert replay_main(["--data", str(bundle)]) == 0  # stabilize-replay, in this process
+    head, rec, other = capsys.readouterr().out.strip().splitlines()
     assert head == (
         f"data bisection over 8 sequences, 5 replays: the step fails with 1 of them: "
         f"block {item} (hash {digest}; rank 0, data position {POSITION}, row {ROW})"
@@ -120,19 +121,21 @@ def test_the_minimize_rows_by_hand():
     assert sorted(minimize(list(range(16)), both)) == [2, 13]
 
 
-def test_a_skip_item_from_another_corpus_or_malformed_is_refused_in_one_line(tmp_path):
+def test_a_skip_item_from_another_corpus_or_malformed_is_refused_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
     item, digest, _, _ = _planted(tmp_path)
     with pytest.raises(ConfigError, match=r"data.skip_items\[0\]='7' is not allowed"):
         parse_skip_items(["7"])
     # block_size 32: block `item` is another sequence; the run refuses to start training
-    r = run_cli(
-        ["stabilize-train", f"hydra.run.dir={tmp_path / 'x'}", "logger=none", "trainer.max_steps=2",
+    code, err = cli(
+        [f"hydra.run.dir={tmp_path / 'x'}", "logger=none", "trainer.max_steps=2",
          "model.block_size=32", "data.max_chars=20000", f"++data.skip_items=['{item}:{digest}']"],
-        cwd=tmp_path,
+        tmp_path, monkeypatch, capsys,
     )  # fmt: skip
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-    (line,) = [x for x in r.stderr.splitlines() if x.startswith("stabilize-train:")]
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err
+    (line,) = [x for x in err.splitlines() if x.startswith("stabilize-train:")]
     assert f"data.skip_items: '{item}:{digest}' is not allowed here: block {item}" in line
     assert "another corpus, tokenizer or block_size" in line
 

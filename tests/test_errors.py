@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -22,9 +21,9 @@ from stabilize.exits import file_error, meaning, one_line
 from stabilize.launch import exit_code
 from stabilize.report import main as report_main
 from stabilize.run.config import RunConfig
-from stabilize.train import main, relaunch_subdir
+from stabilize.train import relaunch_subdir
 
-from conftest import FAST, run_cli
+from conftest import FAST, cli, run_cli
 
 BASE = [*FAST, "logger=none", "trainer.max_steps=10"]
 
@@ -118,16 +117,6 @@ def tree(root: Path) -> dict[str, tuple[int, int]]:
         str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
         for p in sorted(root.rglob("*"))
     }
-
-
-def cli(args, cwd, monkeypatch, capsys) -> tuple[int, str]:
-    """``stabilize-train ARGS`` in this process, in ``cwd``: (exit code, stderr)."""
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["stabilize-train", *args])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main()
-    return e.value.code, capsys.readouterr().err
 
 
 def one_message(err: str) -> str:

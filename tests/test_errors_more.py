@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_errors import BASE, ROLLBACK_EVENTS, _run_dir, cli, one_message, tree
+from test_errors import BASE, ROLLBACK_EVENTS, _run_dir, one_message, tree
 
 from stabilize.data import DataConfig, load_corpus
 from stabilize.data.corpus import undecodable
@@ -35,7 +35,7 @@ from stabilize.run.preflight import check_wandb_login
 from stabilize.train import run
 from stabilize.validate import ConfigError
 
-from conftest import FAST, compose_run
+from conftest import FAST, cli, compose_run
 
 LATIN1 = "plain ascii text, line after line.\n" * 50 + "un café crème, s'il vous plaît\n"
 BAD_AT = LATIN1.index("é")  # the first byte that is not UTF-8: every byte before it is ASCII

@@ -37,7 +37,9 @@ def reference_score(cfg: RunConfig, state_dict: dict) -> tuple[float, int]:
 
 
 def test_final_eval_scores_every_held_out_block_as_float64_does(tmp_path):
-    cfg = compose_run(tmp_path, [*FAST, "logger=none", "precision=fp32", "rollback=off"])
+    # the whole held-out split (FAST bounds it to 2 batches)
+    over = [*FAST, "trainer.final_eval_batches=null", "precision=fp32", "rollback=off"]
+    cfg = compose_run(tmp_path, over)
     out = run(cfg)
     score = json.loads((tmp_path / "final_eval.json").read_text())
     sd = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
@@ -66,7 +68,8 @@ def test_final_eval_off_and_bounded(tmp_path, monkeypatch, capsys):
     # and its progress line, here after every batch (every 10 s in a real run)
     monkeypatch.setattr("stabilize.lit.final_eval.PROGRESS_EVERY_S", 0.0)
     capsys.readouterr()
-    run(compose_run(tmp_path / "tok", [*FAST, "logger=none", "trainer.final_eval_tokens=1000"]))
+    tok = ["trainer.final_eval_batches=null", "trainer.final_eval_tokens=1000"]
+    run(compose_run(tmp_path / "tok", [*FAST, *tok]))
     score = json.loads((tmp_path / "tok" / "final_eval.json").read_text())
     assert score["batches"] == 3 and score["tokens"] == 3 * 4 * 64 and not score["whole"]
     said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("final eval: ")]

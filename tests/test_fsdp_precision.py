@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,20 +21,10 @@ from test_fsdp import BASE, launch, losses
 
 from stabilize.train import run
 
-from conftest import ROOT, compose_run, run_cli
+from conftest import compose_run, torchrun
 
 BLOCK = "h.0.attn.c_attn.weight"  # element 0 of its gradient lives on rank 0's shard
 BASE = [a for a in BASE if not a.startswith("precision=")]  # each test sets its own
-
-
-def torchrun(script: str, *args: str, cwd: Path):
-    r = run_cli(
-        ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "tests" / script), *args],
-        cwd=cwd,
-        env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def test_fault_kinds_touch_sharded_parameters_and_gradients(tmp_path):

@@ -14,7 +14,7 @@ import torch
 from stabilize.io import atomic_torch_save
 from stabilize.wandb_offline import find_offline_runs, read_offline_run
 
-from conftest import FAST, ROOT, launch_sh, run_cli
+from conftest import FAST, ROOT, launch_sh, run_cli, train_cli
 
 SMALL = [o for o in FAST if not o.startswith("trainer.progress")] + ["trainer.accelerator=cpu"]
 
@@ -26,6 +26,7 @@ def test_torchrun_two_ranks_share_one_run_and_stay_identical(tmp_path):
         *SMALL,
         "trainer.max_steps=6",
         "name=ddp",
+        "logger=wandb",
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -42,20 +43,15 @@ def test_torchrun_two_ranks_share_one_run_and_stay_identical(tmp_path):
     assert ckpt["global_step"] == 6 and ckpt["stabilize"]["data_step"] == 6
 
 
-def test_hydra_multirun_gives_each_member_its_dir_and_one_wandb_group(tmp_path):
+def test_hydra_multirun_gives_each_member_its_dir_and_one_wandb_group(
+    tmp_path, monkeypatch, capsys
+):
     sweep = tmp_path / "sweep"
-    r = run_cli(
-        [
-            "stabilize-train",
-            "-m",
-            "norm=layernorm,rmsnorm",
-            *SMALL,
-            "trainer.max_steps=2",
-            "norm.backend=explicit",
-        ],
-        cwd=tmp_path,
-        env={"STABILIZE_SWEEP_DIR": str(sweep)},
-    )
+    r = train_cli(  # in this process, as the console script runs it: members one by one
+        ["-m", "norm=layernorm,rmsnorm", *SMALL, "logger=wandb", "trainer.max_steps=2",
+         "norm.backend=explicit"],
+        tmp_path, monkeypatch, capsys, env={"STABILIZE_SWEEP_DIR": str(sweep)},
+    )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     groups, types = set(), []
     for member in ("0", "1"):

@@ -19,7 +19,7 @@ from stabilize.exits import EXIT_PREEMPTED
 from stabilize.run.rundir import checkpoint_steps
 from stabilize.train import run
 
-from conftest import FAST, ROOT, compose_run, csv_losses, launch_sh, run_cli
+from conftest import FAST, ROOT, cli, compose_run, csv_losses, launch_sh, train_cli
 
 STEPS = 400  # far more than the test waits for: only the signal ends the run
 COMMON = [
@@ -111,12 +111,11 @@ def test_two_ranks_preempted_through_torchrun_checkpoint_together(tmp_path):
     assert replicas["identical"] and replicas["ranks"][0]["model_step"] == stopped + 2
 
 
-def test_preempt_signals_are_checked():
-    r = run_cli(
-        [sys.executable, "-m", "stabilize.train", "trainer.preempt_signals=[SIGFOO]"], cwd=ROOT
-    )
-    assert r.returncode == 2
-    assert "trainer.preempt_signals[0]='SIGFOO' is not allowed; allowed: ['SIGTERM'" in r.stderr
+def test_preempt_signals_are_checked(tmp_path, monkeypatch, capsys):
+    args = ["trainer.preempt_signals=[SIGFOO]", f"hydra.run.dir={tmp_path / 'run'}"]
+    code, err = cli(args, tmp_path, monkeypatch, capsys)
+    assert code == 2
+    assert "trainer.preempt_signals[0]='SIGFOO' is not allowed; allowed: ['SIGTERM'" in err
 
 
 @pytest.mark.parametrize("codes,want", [([4, 4], 4), ([1, 4], 4), ([3, 4], 3), ([2], 2)])
@@ -127,7 +126,7 @@ def test_launch_keeps_the_preempted_code(codes, want):
 
 
 def test_a_second_launch_into_a_running_dir_is_refused_and_a_dead_holder_does_not_block(
-    tmp_path,
+    tmp_path, monkeypatch, capsys
 ):
     """The run-dir lock: while one launch trains in a dir, a resume=auto (or a fresh
     launch) into it is refused in one line naming the holder; once the holder is gone,
@@ -138,18 +137,15 @@ def test_a_second_launch_into_a_running_dir_is_refused_and_a_dead_holder_does_no
     for line in p.stdout:
         if line.lstrip().startswith("step ") and int(line.split()[1].split("/")[0]) >= 3:
             break
-    for resume in ("auto", "none"):
-        r = run_cli(["stabilize-train", *COMMON, f"resume={resume}"], cwd=tmp_path, env=env)
+    for resume in ("auto", "none"):  # launched in this process: the holder is another one
+        r = train_cli([*COMMON, f"resume={resume}"], tmp_path, monkeypatch, capsys, env)
         assert r.returncode == 2, r.stderr[-2000:]
         assert f"is in use by another launch (pid {p.pid} on " in r.stderr
         assert "Traceback" not in r.stderr
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     stopped, _ = checkpoint_steps(d / "checkpoints" / "last.ckpt")
-    r = run_cli(
-        ["stabilize-train", *COMMON, "resume=auto", f"trainer.stop_at_step={stopped + 1}"],
-        cwd=tmp_path,
-        env=env,
-    )
+    args = [*COMMON, "resume=auto", f"trainer.stop_at_step={stopped + 1}"]
+    r = train_cli(args, tmp_path, monkeypatch, capsys, env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads((d / "result.json").read_text())["model_step"] == stopped + 1

@@ -15,6 +15,9 @@ from stabilize.train import run
 
 from conftest import FAST, compose_run, launch_sh, run_cli
 
+# one worker runs this file under -n 2: its module-scoped runs are made once
+pytestmark = pytest.mark.xdist_group("replay")
+
 BASE = [*FAST, "logger=none", "trainer.max_steps=10", "trainer.val_check_interval=100",
         "trainer.checkpoint_every_n_steps=100", *DRILL_MONITORS]  # fmt: skip
 SPIKE = ["fault=grad_spike", "fault.step=8", "fault.factor=1e4"]  # a finite, huge grad norm
@@ -48,24 +51,28 @@ def test_a_bundle_replays_bit_for_bit_in_another_process(spiked):
     assert "compared bit for bit" in r.stdout and r.stdout.strip().endswith("reproduces: yes")
 
 
-def test_a_damaged_or_incomplete_bundle_is_one_line_and_exit_2(spiked, tmp_path):
+def test_a_damaged_or_incomplete_bundle_is_one_line_and_exit_2(spiked, tmp_path, capsys):
     import shutil
+
+    from stabilize.replay import main as replay_main  # stabilize-replay, in this process
 
     bad = tmp_path / "bad"
     shutil.copytree(spiked, bad)
     raw = bytearray((bad / "state.pt").read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     (bad / "state.pt").write_bytes(bytes(raw))
-    r = run_cli(["stabilize-replay", str(bad)], cwd=tmp_path)
-    assert r.returncode == 2 and r.stdout == ""
-    assert (
-        r.stderr.strip()
-        == f"stabilize-replay: {bad / 'state.pt'}: damaged (its SHA-256 is not the manifest's)"
+    capsys.readouterr()
+    assert replay_main([str(bad)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip() == (
+        f"stabilize-replay: {bad / 'state.pt'}: damaged (its SHA-256 is not the manifest's)"
     )
     (bad / "manifest.json").unlink()
-    r = run_cli(["stabilize-replay", str(bad)], cwd=tmp_path)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "manifest.json: missing" in r.stderr and "Traceback" not in r.stderr
+    assert replay_main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "manifest.json: missing" in err and "Traceback" not in err
 
 
 def test_a_two_rank_ddp_bundle_is_one_copy_and_replays(tmp_path):

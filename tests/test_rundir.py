@@ -20,17 +20,25 @@ from stabilize.lit.checkpoint import resolve_resume
 from stabilize.run.rundir import RunDirError, checkpoint_steps
 from stabilize.train import run
 
-from conftest import FAST, compose_run, csv_losses, run_cli
+from conftest import FAST, compose_run, csv_losses, train_cli
 
-COMMON = [*FAST, "logger=none", "trainer.max_steps=8", "rollback.durable_every=0"]
+# one worker runs this file under -n 2: its module-scoped runs are made once
+pytestmark = pytest.mark.xdist_group("rundir")
+
+COMMON = [*FAST, "trainer.max_steps=8", "trainer.checkpoint_every_n_steps=2",
+          "rollback.durable_every=0"]  # fmt: skip
 
 
-def cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run_cli(
-        ["stabilize-train", *COMMON, *overrides],
-        cwd=run_dir.parent,
-        env={"STABILIZE_RUN_DIR": str(run_dir)},
-    )
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """``stabilize-train COMMON OVERRIDES`` into ``run_dir`` ($STABILIZE_RUN_DIR), in this
+    process exactly as the console script runs it."""
+
+    def launch(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+        env = {"STABILIZE_RUN_DIR": str(run_dir)}
+        return train_cli([*COMMON, *overrides], run_dir.parent, monkeypatch, capsys, env)
+
+    return launch
 
 
 def tree(d: Path) -> dict[str, tuple[int, int]]:
@@ -75,7 +83,7 @@ def test_checksum_footer_is_verified_and_plain_torch_load_still_works(tmp_path):
 
 
 # ---- item 1: a run dir holds one run --------------------------------------------------------
-def test_fresh_launch_into_a_run_dir_is_refused_and_touches_nothing(stopped, tmp_path):
+def test_fresh_launch_into_a_run_dir_is_refused_and_touches_nothing(stopped, tmp_path, cli):
     d = tmp_path / "run"
     shutil.copytree(stopped, d)
     before = tree(d)
@@ -90,7 +98,7 @@ def test_fresh_launch_into_a_run_dir_is_refused_and_touches_nothing(stopped, tmp
     assert tree(d) == before
 
 
-def test_restart_moves_the_earlier_run_aside_and_starts_over(stopped, tmp_path):
+def test_restart_moves_the_earlier_run_aside_and_starts_over(stopped, tmp_path, cli):
     d = tmp_path / "run"
     shutil.copytree(stopped, d)
     old_last = (d / "checkpoints" / "last.ckpt").read_bytes()
@@ -105,12 +113,12 @@ def test_restart_moves_the_earlier_run_aside_and_starts_over(stopped, tmp_path):
 
 
 # ---- item 2: moved and copied dirs keep their last.ckpt -------------------------------------
-def test_moved_and_copied_run_dirs_resume_and_keep_writing_last_ckpt(tmp_path):
+def test_moved_and_copied_run_dirs_resume_and_keep_writing_last_ckpt(tmp_path, cli):
     a = tmp_path / "a"
     run(compose_run(a, [*COMMON, "trainer.stop_at_step=3"]))
     moved = tmp_path / "moved"
     os.rename(a, moved)  # a requeue on another mount path
-    r = cli(moved, "resume=auto", "trainer.stop_at_step=5")  # a real process resumes it
+    r = cli(moved, "resume=auto", "trainer.stop_at_step=5")  # a fresh launch resumes it
     assert r.returncode == 0, r.stderr[-2000:]
     assert ckpt_names(moved) == ["last.ckpt", "step-000002.ckpt", "step-000004.ckpt"]
     assert model_step(moved / "checkpoints" / "last.ckpt") == 5
@@ -129,7 +137,7 @@ def test_moved_and_copied_run_dirs_resume_and_keep_writing_last_ckpt(tmp_path):
 
 
 # ---- item 3: a finished run is left alone ---------------------------------------------------
-def test_resume_auto_on_a_finished_run_trains_nothing(tmp_path):
+def test_resume_auto_on_a_finished_run_trains_nothing(tmp_path, cli):
     d = tmp_path / "run"
     run(compose_run(d, [*COMMON, "trainer.max_steps=4"]))
     (d / ".hydra").mkdir()  # the first launch's Hydra record (compose_run writes none)
@@ -179,7 +187,7 @@ def test_damaged_last_ckpt_falls_back_to_the_newest_intact_one(damage, stopped, 
     assert verify(last) is True and model_step(last) == 8  # written again, whole
 
 
-def test_no_intact_checkpoint_is_one_line_and_exit_2(stopped, tmp_path):
+def test_no_intact_checkpoint_is_one_line_and_exit_2(stopped, tmp_path, cli):
     d = tmp_path / "run"
     shutil.copytree(stopped, d)
     for p in (d / "checkpoints").iterdir():

@@ -24,6 +24,9 @@ from stabilize.wandb_offline import find_offline_runs, read_offline_run
 
 from conftest import ROOT, compose_run, run_cli
 
+# one worker runs this file under -n 2: its module-scoped runs are made once
+pytestmark = pytest.mark.xdist_group("scenario")
+
 ARMS = ["baseline", "fp32_reduction", "bf16", "large_eps", "remedy"]
 REF_SEEDS = (1234, 1235)  # the healthy reference, twice: a seed band to judge gaps by
 START, TARGET, STEPS = 8, 20, 40
@@ -286,8 +289,9 @@ def test_report_cli(arms, tmp_path, capsys):
     assert f"report: {tmp_path / 'report.md'}" in capsys.readouterr().out
     assert main([str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    r = run_cli([sys.executable, "-m", "stabilize.report", "--wandb", "me/proj"], cwd=tmp_path)
-    assert r.returncode == 2 and "--group" in r.stderr
+    with pytest.raises(SystemExit) as e:  # argparse's usage error
+        main(["--wandb", "me/proj"])
+    assert e.value.code == 2 and "--group" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # 64 s on 2 idle cores; multi-rank rollback is also covered by the

@@ -19,7 +19,7 @@ from stabilize.rollback.state import TrainState
 from stabilize.stability import StabilityAbort
 from stabilize.train import run
 
-from conftest import FAST, compose_run, launch_sh, read_csv_metrics, run_cli, series
+from conftest import FAST, compose_run, read_csv_metrics, run_cli, series, torchrun
 
 BASE = [
     *FAST,
@@ -287,51 +287,63 @@ def test_sigkill_during_durable_snapshots_leaves_them_loadable(tmp_path):
 BITFLIP = ["fault=bitflip", "fault.param=h.1.mlp.c_fc.weight"]
 
 
-@pytest.mark.parametrize(
-    "fault, monitor, step, cls, blamed",
-    [
-        # transient: rank 1's loss alone differs between the step and its replay
-        (["fault=nan_loss", "fault.step=6"], "nonfinite", 6, "transient", [1]),
-        # data-linked: data position 5 (step 6) fails on its replay, position 6 does not
-        (["fault=poisoned_batch", "fault.batch=5"], "nonfinite", 6, "data", None),
-        # an exponent bit of rank 1's reduced gradient (1e-3 -> 2^118: its square overflows
-        # rank 1's grad norm), rank 1's alone
-        pytest.param(  # ~14 s; the same class and monitor as nan_loss's case
-            [*BITFLIP, "fault.flip=grad", "fault.bit=30", "fault.step=10"],
-            "nonfinite",
-            10,
-            "transient",
-            [1],
-            marks=pytest.mark.slow,
-        ),
-        # a mantissa bit of rank 1's weight: silent but for the replica check (every 4
-        # steps: the flip at step 5 is named at step 8, within N)
-        (
-            [*BITFLIP, "fault.bit=20", "fault.step=5", "monitor.replicas.every=4"],
-            "replicas",
-            8,
-            "transient",
-            [1],
-        ),
-        (drift_fault(cross_step=8), "overflow", 8, "deterministic", None),
-    ],
-    ids=["nan_loss", "poisoned_batch", "bitflip-grad", "bitflip-param", "drift"],
-)
-def test_torchrun_fault_on_rank_1_is_classified_and_rolls_back_every_rank(
-    fault, monitor, step, cls, blamed, tmp_path
-):
-    run_dir = tmp_path / "run"
+# The faults on rank 1 under torchrun: (overrides, monitor, step, class, ranks blamed).
+RANK1_FAULTS = {
+    # transient: rank 1's loss alone differs between the step and its replay
+    "nan_loss": (["fault=nan_loss", "fault.step=6"], "nonfinite", 6, "transient", [1]),
+    # data-linked: data position 5 (step 6) fails on its replay, position 6 does not
+    "poisoned_batch": (["fault=poisoned_batch", "fault.batch=5"], "nonfinite", 6, "data", None),
+    # an exponent bit of rank 1's reduced gradient (1e-3 -> 2^118: its square overflows
+    # rank 1's grad norm), rank 1's alone
+    "bitflip-grad": (
+        [*BITFLIP, "fault.flip=grad", "fault.bit=30", "fault.step=10"],
+        "nonfinite",
+        10,
+        "transient",
+        [1],
+    ),
+    # a mantissa bit of rank 1's weight: silent but for the replica check (every 4
+    # steps: the flip at step 5 is named at step 8, within N)
+    "bitflip-param": (
+        [*BITFLIP, "fault.bit=20", "fault.step=5", "monitor.replicas.every=4"],
+        "replicas",
+        8,
+        "transient",
+        [1],
+    ),
+    "drift": (drift_fault(cross_step=8), "overflow", 8, "deterministic", None),
+}
+SLOW_RANK1 = ("bitflip-grad",)  # ~14 s; the same class and monitor as nan_loss's case
+
+
+def rank1_runs(names, root: Path) -> dict[str, Path]:
+    """One torchrun (2 ranks, gloo) that trains each named case in turn (tests/runs_worker.py:
+    one Lightning import per rank for all of them), every rank in ``root/<name>``."""
     args = [a for a in BASE if not a.startswith("trainer.progress")]
-    r = launch_sh(
-        run_dir,
-        *args,
-        "trainer.accelerator=cpu",
-        "trainer.max_steps=12",
-        *fault,
-        "fault.rank=1",
-        cwd=tmp_path,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    common = [*args, "trainer.accelerator=cpu", "trainer.max_steps=12", "fault.rank=1"]
+    cases = {n: [*common[:-1], *RANK1_FAULTS[n][0], common[-1]] for n in names}
+    (root / "cases.json").write_text(json.dumps(cases))
+    torchrun("runs_worker.py", str(root / "cases.json"), str(root / "runs"), cwd=root)
+    return {n: root / "runs" / n for n in names}
+
+
+@pytest.fixture(scope="module")
+def rank1(tmp_path_factory) -> dict[str, Path]:
+    names = [n for n in RANK1_FAULTS if n not in SLOW_RANK1]
+    return rank1_runs(names, tmp_path_factory.mktemp("rank1"))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RANK1 else n for n in RANK1_FAULTS],
+)
+def test_torchrun_fault_on_rank_1_is_classified_and_rolls_back_every_rank(name, request, tmp_path):
+    if name in SLOW_RANK1:
+        run_dir = rank1_runs([name], tmp_path)[name]
+    else:
+        run_dir = request.getfixturevalue("rank1")[name]
+    _, monitor, step, cls, blamed = RANK1_FAULTS[name]
+    assert not (run_dir / "crash.txt").exists(), (run_dir / "crash.txt").read_text()
     evs = events(run_dir)
     # the verdicts (one per overflowed norm for the drift), all of this step and monitor;
     # every 10 steps (step 10 here) the replicas were checked and agreed otherwise

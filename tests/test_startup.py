@@ -2,13 +2,15 @@
 
 Each case runs the console script's ``main`` in a fresh interpreter and lists the modules it
 had imported when it exited: Hydra's app must not pull in Lightning (nor, for ``--help`` and
-Hydra's own errors, torch). The time it saves is measured by scripts/bench_startup.py, not
-here.
+Hydra's own errors, torch), once the config nodes of this source are cached (the first launch
+after an install or an edit builds them: stabilize/config_store.py). The time it saves is
+measured by scripts/bench_startup.py, not here.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -32,17 +34,44 @@ print(json.dumps({"code": code, "heavy": heavy, "dist": "torch.distributed" in s
 """
 
 
-def probe(args: list[str], cwd) -> dict:
+def probe(args: list[str], cwd, cache) -> dict:
     r = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps(args)],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "STABILIZE_CACHE_DIR": str(cache)},
     )
     assert r.returncode == 0, r.stderr[-2000:]
     return {**json.loads(r.stdout.strip().splitlines()[-1]), "stderr": r.stderr}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A cache dir holding this source's config nodes, made by a first launch (which builds
+    them: the dataclasses load torch and the data stack)."""
+    d = tmp_path_factory.mktemp("cache")
+    first = probe(["--help"], d, d)
+    assert first["code"] == 0 and first["heavy"] == ["datasets", "torch"], first
+    assert len(list((d / "config-nodes").glob("*.json"))) == 1
+    return d
+
+
+def test_the_cached_nodes_are_the_dataclasses_and_follow_the_source(monkeypatch, tmp_path):
+    from stabilize import config_store
+
+    monkeypatch.setenv("STABILIZE_CACHE_DIR", str(tmp_path))
+    live = config_store.nodes()
+    assert config_store.cached_nodes() == live  # built and written
+    (written,) = (tmp_path / "config-nodes").glob("*.json")
+    assert written.stem == config_store.source_hash()
+    assert json.loads(written.read_text()) == live
+    written.write_text(json.dumps({"base_run": {"seed": -1}}))  # read back as it is
+    assert config_store.cached_nodes() == {"base_run": {"seed": -1}}
+    monkeypatch.setattr(config_store, "source_hash", lambda: "edited")  # another source
+    assert config_store.cached_nodes() == live
+    assert (tmp_path / "config-nodes" / "edited.json").is_file()
 
 
 @pytest.mark.parametrize(
@@ -55,8 +84,8 @@ def probe(args: list[str], cwd) -> dict:
         (["norm.type=groupnorm"], 2, ["datasets", "torch"]),
     ],
 )
-def test_help_and_config_errors_import_no_training_stack(args, code, allowed, tmp_path):
-    out = probe([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+def test_help_and_config_errors_import_no_training_stack(args, code, allowed, cache, tmp_path):
+    out = probe([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, cache)
     assert out["code"] == code, out["stderr"][-2000:]
     assert out["heavy"] == allowed, out
     assert not out["lightning"]

@@ -18,7 +18,7 @@ from stabilize.run.config import PRECISIONS, OptimConfig
 from stabilize.train import run
 from stabilize.wandb_offline import find_offline_runs, read_offline_run
 
-from conftest import CONFIGS, FAST, compose_run, read_csv_metrics, run_cli, series
+from conftest import CONFIGS, FAST, cli, compose_run, read_csv_metrics, series
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
 
@@ -134,7 +134,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
 
 def test_wandb_offline_run_has_group_tags_config_and_history(tmp_path):
     cfg = compose_run(
-        tmp_path, [*FAST, "experiment=rmsnorm_fp16", "logger.tags=[a,b]", "norm.eps=1e-3"]
+        tmp_path,
+        [*FAST, "experiment=rmsnorm_fp16", "logger=wandb", "logger.tags=[a,b]", "norm.eps=1e-3"],
     )
     run(cfg)
     runs = find_offline_runs(tmp_path / "wandb")
@@ -200,17 +201,17 @@ def test_fsdp_trains_on_gpu(tmp_path):  # pragma: no cover - GPU only
     assert math.isfinite(out["metrics"]["train/loss"])
 
 
-def test_cli_rejects_bad_config_before_training(tmp_path):
-    r = run_cli(
-        ["stabilize-train", "norm.type=groupnorm", f"hydra.run.dir={tmp_path}"], cwd=tmp_path
+def test_cli_rejects_bad_config_before_training(tmp_path, monkeypatch, capsys):
+    code, err = cli(
+        ["norm.type=groupnorm", f"hydra.run.dir={tmp_path}"], tmp_path, monkeypatch, capsys
     )
-    assert r.returncode != 0
-    assert f"norm.type='groupnorm' is not allowed; allowed: {list(NORM_TYPES)}" in r.stderr
+    assert code != 0
+    assert f"norm.type='groupnorm' is not allowed; allowed: {list(NORM_TYPES)}" in err
     assert not (tmp_path / "checkpoints").exists()
-    r = run_cli(["stabilize-train", "norm=groupnorm", f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
-    assert r.returncode != 0 and "Available options in 'norm'" in r.stderr
-    r = run_cli(["stabilize-train", "model.typo=3", f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
-    assert r.returncode != 0 and "typo" in r.stderr
+    code, err = cli(["norm=groupnorm", f"hydra.run.dir={tmp_path}"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and "Available options in 'norm'" in err
+    code, err = cli(["model.typo=3", f"hydra.run.dir={tmp_path}"], tmp_path, monkeypatch, capsys)
+    assert code != 0 and "typo" in err
 
 
 # ---- optimizer pieces against hand-computed values -----------------------------------------

@@ -43,6 +43,7 @@ from stabilize.data.tokenizer import (
     text_batches,
     token_byte_counts,
 )
+from stabilize.paths import default_cache_dir
 from stabilize.validate import ConfigError
 
 log = logging.getLogger("stabilize.data")
@@ -59,14 +60,6 @@ _CHECKED: dict[Path, tuple] = {}
 def _stamp(entry: Path) -> tuple:
     files = sorted(entry.iterdir()) if entry.is_dir() else []
     return tuple((f.name, f.stat().st_ino, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-
-
-def default_cache_dir() -> Path:
-    """$STABILIZE_CACHE_DIR, else $XDG_CACHE_HOME/stabilize, else ~/.cache/stabilize."""
-    if os.environ.get("STABILIZE_CACHE_DIR"):
-        return Path(os.environ["STABILIZE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "stabilize"
 
 
 @dataclass
