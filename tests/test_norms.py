@@ -144,8 +144,10 @@ def test_rmsnorm_unit_gamma_maps_every_token_to_norm_sqrt_d(backend, scale):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_layernorm_invariant_to_shift_and_positive_scale(backend):
-    norm = make("layernorm", 128, backend=backend)
-    x = torch.randn(8, 128)
+    # exact only as eps -> 0: at eps 1e-5 the x0.5 input (variance 1/4) moves an output of 5
+    # by ~1e-4 (5 x 1e-5 x (2 - 1/2)), the tolerance itself; the draw made it fail or pass
+    norm = make("layernorm", 128, backend=backend, eps=1e-12)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         y = norm(x)
         torch.testing.assert_close(norm(x + 3.0), y, atol=1e-4, rtol=0)
