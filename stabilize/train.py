@@ -57,12 +57,22 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+_launch_time: str | None = None  # this launch's, taken once (``main`` starts a new launch)
+
+
 def run_id() -> str:
-    """One id for all ranks of a launch: ours, else torchrun's rendezvous id, else the time."""
+    """One id for all ranks of a launch: ours, else torchrun's rendezvous id, else the time
+    this launch first asked for it: Hydra resolves ``hydra.run.dir`` more than once, and two
+    readings of the clock a second apart made two run dirs of one launch."""
+    global _launch_time
     rid = os.environ.get("STABILIZE_RUN_ID")
     if not rid:
         elastic = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        rid = elastic if elastic != "none" else datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        if elastic != "none":
+            return elastic
+        if _launch_time is None:
+            _launch_time = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        rid = _launch_time
     return rid
 
 
@@ -278,6 +288,8 @@ def main() -> None:
     if restart_count():  # a group torchrun restarted: its own store (stabilize/elastic.py)
         fresh_store_for_restart()
     store_defaults()  # again: a name registered since this module's import (a plugin)
+    global _launch_time
+    _launch_time = None  # a launch of its own (tests launch several in one process)
     try:
         _app()
     except (HydraException, OmegaConfBaseException) as e:

@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "main-job": "python -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . && "
     "PYTHON=.venv/bin/python scripts/repro_nan.sh",
     "tests": "python -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[dev]' && "
-    '.venv/bin/python -m pytest -n 2 --dist loadgroup',
+    ".venv/bin/python -m pytest -n 2 --dist loadfile",
     "one-run": "stabilize-train model=tiny norm=rmsnorm norm.placement=post norm.eps=1e-5 "
     "norm.reduction_dtype=fp16 precision=fp16-mixed trainer.max_steps=50",
     "report-main": "stabilize-report runs/main/*",

@@ -22,9 +22,6 @@ import torch.nn.functional as F
 from stabilize import cpu_kernels
 from stabilize.norms import NormConfig, auto_backend, build_norm, has_cpp_compiler
 
-# one worker runs this file under -n 2: its module-scoped runs are made once
-pytestmark = pytest.mark.xdist_group("cpu_kernels")
-
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # rel. error of a 16-bit result: about one rounding of the output (and of gamma's product)
 TOL = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}

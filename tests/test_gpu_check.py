@@ -14,9 +14,6 @@ import pytest
 
 from conftest import ROOT, compose_run, run_cli
 
-# one worker runs this file under -n 2: its module-scoped runs are made once
-pytestmark = pytest.mark.xdist_group("gpu_check")
-
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 

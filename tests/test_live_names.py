@@ -23,9 +23,6 @@ from stabilize.stability.grad_scan import describe, origin
 from stabilize.train import run
 from tests.conftest import FAST, compose_run
 
-# one worker runs this file under -n 2: its module-scoped runs are made once
-pytestmark = pytest.mark.xdist_group("live_names")
-
 # the README's one-run command as the docs show it (tests/doc_commands.py), its overrides
 # shrunk to 2 steps (FAST after it)
 README_RUN = [a for a in shlex.split(doc_command("one-run"))[1:] if "max_steps" not in a]

@@ -15,9 +15,6 @@ from stabilize.train import run
 
 from conftest import FAST, compose_run, launch_sh, run_cli
 
-# one worker runs this file under -n 2: its module-scoped runs are made once
-pytestmark = pytest.mark.xdist_group("replay")
-
 BASE = [*FAST, "logger=none", "trainer.max_steps=10", "trainer.val_check_interval=100",
         "trainer.checkpoint_every_n_steps=100", *DRILL_MONITORS]  # fmt: skip
 SPIKE = ["fault=grad_spike", "fault.step=8", "fault.factor=1e4"]  # a finite, huge grad norm

@@ -36,9 +36,6 @@ from stabilize.train import run
 
 from conftest import FAST, ROOT, compose_run, run_cli
 
-# one worker runs this file under -n 2: its module-scoped runs are made once
-pytestmark = pytest.mark.xdist_group("report")
-
 CROSS, START, STEPS = 14, 6, 24
 # test_scenario's short scenario, shorter still, with the outlier-feature drift on GPT-2's
 # init (the scenario before it got a reference arm): one channel's |x| max passes 256 exactly

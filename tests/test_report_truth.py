@@ -29,9 +29,6 @@ from stabilize.report.plots import PALETTE, figures
 
 from conftest import ROOT
 
-# one worker runs this file under -n 2: its module-scoped runs are made once
-pytestmark = pytest.mark.xdist_group("report_truth")
-
 V, STEPS, OVERFLOW, FLAT = 256, 120, 41, 43
 REF_SKIPS = {1234: [19, 24, 25], 1235: [2, 35, 51], 1236: [19, 20, 22, 93]}  # the main job's
 REF_SCORES = {1234: (3.227, 2.54), 1235: (3.200, 2.55), 1236: (3.271, 2.55)}  # bpb, loss

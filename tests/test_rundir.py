@@ -22,9 +22,6 @@ from stabilize.train import run
 
 from conftest import FAST, compose_run, csv_losses, train_cli
 
-# one worker runs this file under -n 2: its module-scoped runs are made once
-pytestmark = pytest.mark.xdist_group("rundir")
-
 COMMON = [*FAST, "trainer.max_steps=8", "trainer.checkpoint_every_n_steps=2",
           "rollback.durable_every=0"]  # fmt: skip
 
@@ -310,3 +307,29 @@ def test_temporaries_of_a_killed_writer_are_swept_on_resume(stopped, tmp_path, c
     err = capfd.readouterr().err
     assert "removed 3 temporaries a killed writer left" in err
     assert "checkpoints/.step-000008.ckpt.tmp-4194304" in err
+
+
+def test_one_launch_has_one_run_id_even_when_the_clock_moves_between_readings(monkeypatch):
+    """Hydra resolves ``hydra.run.dir`` more than once; each reading of a clock that ticks
+    between them made a run dir of its own (seen: two dirs under runs/main for one launch)."""
+    import datetime as real
+
+    import stabilize.train as train
+
+    ticks = iter(range(100))
+
+    class Clock:  # a second passes at every reading
+        @staticmethod
+        def now():
+            return real.datetime(2026, 1, 1) + real.timedelta(seconds=next(ticks))
+
+    monkeypatch.delenv("STABILIZE_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(train, "datetime", Clock)
+    monkeypatch.setattr(train, "_launch_time", None)  # a new launch, as main() starts one
+    first = train.run_id()
+    assert train.run_id() == first == "2026-01-01_00-00-00"
+    monkeypatch.setattr(train, "_launch_time", None)
+    assert train.run_id() == "2026-01-01_00-00-01"  # the next launch reads the clock again
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    assert train.run_id() == "abc"  # torchrun's: the same on every rank

@@ -24,9 +24,6 @@ from stabilize.wandb_offline import find_offline_runs, read_offline_run
 
 from conftest import ROOT, compose_run, run_cli
 
-# one worker runs this file under -n 2: its module-scoped runs are made once
-pytestmark = pytest.mark.xdist_group("scenario")
-
 ARMS = ["baseline", "fp32_reduction", "bf16", "large_eps", "remedy"]
 REF_SEEDS = (1234, 1235)  # the healthy reference, twice: a seed band to judge gaps by
 START, TARGET, STEPS = 8, 20, 40

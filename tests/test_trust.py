@@ -20,9 +20,6 @@ from stabilize.trust import UntrustedFile, check_dcp_index, torch_load
 
 from conftest import FAST, compose_run
 
-# one worker runs this file under -n 2: its module-scoped runs are made once
-pytestmark = pytest.mark.xdist_group("trust")
-
 BASE = [*FAST, "logger=none"]
 
 

@@ -23,9 +23,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-# one worker runs this file under -n 2: its module-scoped runs are made once
-pytestmark = pytest.mark.xdist_group("wheel")
-
 REPO = Path(__file__).resolve().parents[1]
 # What a build needs, and all a build sees: the wheel is built from a copy of just these, so a
 # file the package reads from the checkout at run time is missing in the venv too.
