@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+grep -qx "/.whl/" .git/info/exclude 2>/dev/null || grep -qx ".whl/" .gitignore || echo "/.whl/" >> .git/info/exclude
 mkdir -p .whl
 WHEELS=(
   hydra-core==1.3.8 omegaconf==2.3.1 hydra-joblib-launcher==1.2.0
