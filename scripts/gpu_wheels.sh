@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The wheels a lent GPU machine lacks for scripts/gpu_check.sh, into .whl/ (git-ignored;
-# the device tool carries it when a run names it in carry). That machine runs Python 3.12 with torch, Lightning, transformers and
-# pytest, but no Hydra, W&B or datasets, and reaches no registry; these are the versions of
+# The wheels a lent GPU machine lacks for scripts/gpu_check.sh, into .whl/ (git-ignored; the
+# device tool carries it when a run names it in carry). That machine runs Python 3.12 with
+# torch, Lightning, transformers and pytest, but no Hydra, W&B or datasets, and reaches no
+# registry; these are the versions of
 # the CPU venv, checked on a Python 3.12 venv of the machine's package list (pydantic-core
 # needs typing-extensions >= 4.16; antlr4 4.9.3 has no wheel on PyPI: built here).
 #
