@@ -36,7 +36,8 @@ def test_a_broken_jsonl_line_is_named_with_its_file_and_line(
     (tmp_path / "broken.jsonl").write_text("".join(lines))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     before = tree(tmp_path)
-    args = [*FAST, "data=local", "data.paths=[broken.jsonl]"]  # the command, shortened
+    # the command, shortened; with W&B on, so "no wandb/" is a real check
+    args = [*FAST, "logger=wandb", "data=local", "data.paths=[broken.jsonl]"]
     code, err = cli(args, tmp_path, monkeypatch, capsys)
     line = one_message(err)
     assert code == 2, err
