@@ -35,6 +35,9 @@ def spiked(tmp_path_factory):
 def test_a_bundle_replays_bit_for_bit_in_another_process(spiked):
     meta = json.loads((spiked / "meta.json").read_text())
     assert spiked.name == "step-000008-grad_spike" and meta["world_size"] == 1
+    from importlib.metadata import version
+
+    assert meta["versions"]["stabilize"] == version("stabilize")  # was None: no __version__
     files = json.loads((spiked / "manifest.json").read_text())["files"]
     assert set(files) == {"state.pt", "batch.pt", "meta.json"}
     rec = meta["recorded"]
