@@ -8,6 +8,7 @@ honest reduction dtype.
 - backends.py: explicit / torch / compiled / apex / fused / auto, functions over a type.
 - config.py: ``NormConfig`` and its checks.
 - module.py: ``Norm`` (the nn.Module), ``build_norm``, ``set_reduction_dtype``.
+- surgery.py: ``find_norms`` and ``swap_norms``, the norms of a model we did not build.
 
 Add a norm type: a ``NormType`` subclass decorated with ``@register_norm`` (zoo.py shows
 three), a ``configs/norm/<name>.yaml``, and tests (tests/test_norm_registry.py registers one
@@ -40,10 +41,12 @@ from stabilize.norms.registry import (
     register_norm,
     unregister_norm,
 )
+from stabilize.norms.surgery import FoundNorm, find_norms, swap_norms
 
 __all__ = [
     "APEX_HELP",
     "BACKENDS",
+    "FoundNorm",
     "NORM_TYPES",
     "PLACEMENTS",
     "REDUCTION_DTYPES",
@@ -58,9 +61,11 @@ __all__ = [
     "check_backend_supports",
     "compiled_norm",
     "explicit_norm",
+    "find_norms",
     "get_norm_type",
     "has_cpp_compiler",
     "register_norm",
     "set_reduction_dtype",
+    "swap_norms",
     "unregister_norm",
 ]
