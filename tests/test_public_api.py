@@ -1,0 +1,41 @@
+"""The public API (issue 36): what ``stabilize`` exports, loaded lazily, so ``import
+stabilize`` (and with it ``stabilize-train --help``) loads no torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+import stabilize
+
+from conftest import ROOT
+
+
+def test_import_stabilize_loads_no_torch_and_each_name_loads_its_module():
+    probe = (
+        "import json, sys, stabilize\n"
+        "before = 'torch' in sys.modules\n"
+        "f = stabilize.swap_norms\n"
+        "print(json.dumps([before, 'torch' in sys.modules, f.__module__]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    before, after, module = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (before, after, module) == (False, True, "stabilize.norms.surgery")
+
+
+def test_the_exported_names_are_the_modules_own():
+    from stabilize.norms import surgery
+
+    assert stabilize.__all__ == ["__version__", "find_norms", "swap_norms", "FoundNorm"]
+    for name in stabilize.__all__[1:]:
+        assert getattr(stabilize, name) is getattr(surgery, name)
+        assert name in dir(stabilize)
+    assert stabilize.__version__ == version("stabilize")
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        stabilize.nope  # noqa: B018
