@@ -114,6 +114,9 @@ def source_hash() -> str:
     return h.hexdigest()[:32]
 
 
+KEEP = 8  # cache files kept: the newest sources' (checkouts of other commits, other venvs)
+
+
 def cache_file() -> Path:
     return default_cache_dir() / "config-nodes" / f"{source_hash()}.json"
 
@@ -132,6 +135,9 @@ def cached_nodes() -> dict[str, dict[str, Any]]:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(built))
         os.replace(tmp, path)
+        older = sorted(path.parent.glob("*.json"), key=lambda f: f.stat().st_mtime)[:-KEEP]
+        for f in older:  # earlier sources' nodes (an edited checkout makes one per edit)
+            f.unlink(missing_ok=True)
     except OSError:  # a read-only home: built each time, still correct
         pass
     return built

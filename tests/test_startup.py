@@ -72,6 +72,11 @@ def test_the_cached_nodes_are_the_dataclasses_and_follow_the_source(monkeypatch,
     monkeypatch.setattr(config_store, "source_hash", lambda: "edited")  # another source
     assert config_store.cached_nodes() == live
     assert (tmp_path / "config-nodes" / "edited.json").is_file()
+    for i in range(config_store.KEEP + 3):  # many edits: only the newest files are kept
+        monkeypatch.setattr(config_store, "source_hash", lambda i=i: f"edit{i}")
+        config_store.cached_nodes()
+    kept = sorted(f.stem for f in (tmp_path / "config-nodes").glob("*.json"))
+    assert len(kept) == config_store.KEEP and f"edit{config_store.KEEP + 2}" in kept
 
 
 @pytest.mark.parametrize(
