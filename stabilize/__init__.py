@@ -18,6 +18,8 @@ _EXPORTS = {
     "find_norms": "stabilize.norms.surgery",
     "swap_norms": "stabilize.norms.surgery",
     "FoundNorm": "stabilize.norms.surgery",
+    "inspect_model": "stabilize.model.foreign",
+    "ModelMap": "stabilize.model.foreign",
 }
 __all__ = ["__version__", *_EXPORTS]
 
