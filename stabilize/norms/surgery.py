@@ -90,11 +90,7 @@ def _no_autocast(device_type: str):
 def _references(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float):
     """float64 candidates for a norm's output on row ``x``: {(kind, unit_offset): y}."""
     x = x.double()
-    xc = x - x.mean(-1, keepdim=True)
-    normed = {
-        "layernorm": xc / torch.sqrt((xc * xc).mean(-1, keepdim=True) + eps),
-        "rmsnorm": x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps),
-    }
+    normed = {kind: get_norm_type(kind).reference64(x, eps) for kind in ("layernorm", "rmsnorm")}
     shift = 0.0 if b is None else b.double()
     return {
         (kind, offset): y * ((1.0 + w) if offset else w) + shift
