@@ -86,12 +86,12 @@ def csv_losses(version_dir) -> dict[int, float]:
     return series(rows, "train/loss")
 
 
-def train_cli(args, cwd, monkeypatch, capsys, env=None) -> subprocess.CompletedProcess:
+def train_cli(args, cwd, monkeypatch, capsys, env=None, must_exit=False):
     """``stabilize-train ARGS`` in this process, in ``cwd`` with ``env`` set, exactly as the
     console script runs it (real Hydra composition, real checks, ``sys.exit`` on a failure):
-    a CompletedProcess of its exit code and what it printed. A subprocess costs ~10 s of
-    Lightning import; keep those for signals, SIGKILL, torchrun and what must happen in
-    another process."""
+    a CompletedProcess of its exit code and what it printed (``must_exit``: a run that
+    returns instead of exiting fails the test). A subprocess costs ~10 s of Lightning import;
+    keep those for signals, SIGKILL, torchrun and what must happen in another process."""
     from stabilize.train import main
 
     monkeypatch.chdir(cwd)
@@ -101,6 +101,8 @@ def train_cli(args, cwd, monkeypatch, capsys, env=None) -> subprocess.CompletedP
     capsys.readouterr()
     try:
         main()
+        if must_exit:
+            pytest.fail(f"stabilize-train {args} returned instead of exiting")
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -109,16 +111,10 @@ def train_cli(args, cwd, monkeypatch, capsys, env=None) -> subprocess.CompletedP
 
 
 def cli(args, cwd, monkeypatch, capsys) -> tuple[int, str]:
-    """``stabilize-train ARGS`` in this process (as ``train_cli``), which must exit through
+    """``stabilize-train ARGS`` in this process (``train_cli``), which must exit through
     ``sys.exit``: (exit code, stderr)."""
-    from stabilize.train import main
-
-    monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["stabilize-train", *args])
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main()
-    return e.value.code, capsys.readouterr().err
+    r = train_cli(args, cwd, monkeypatch, capsys, must_exit=True)
+    return r.returncode, r.stderr
 
 
 def run_cli(args, cwd, env=None, timeout=600):

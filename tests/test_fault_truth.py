@@ -17,7 +17,6 @@ from __future__ import annotations
 import glob
 import json
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,8 @@ from doc_commands import doc_command
 
 from stabilize.data import build_dataloaders
 from stabilize.replay import main as replay_main
-from stabilize.train import main
 
-from conftest import compose_run
+from conftest import compose_run, train_cli
 
 
 def tree(root: Path) -> dict[str, tuple[int, int]]:
@@ -45,17 +43,9 @@ def refusal(err: str) -> str:
 
 def train(args, cwd, monkeypatch, capsys) -> tuple[int, str, str]:
     """``stabilize-train ARGS`` in this process, in ``cwd``: (exit code, stdout, stderr)."""
-    monkeypatch.chdir(cwd)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(sys, "argv", ["stabilize-train", *args])
-    capsys.readouterr()
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    r = train_cli(args, cwd, monkeypatch, capsys)
+    return r.returncode, r.stdout, r.stderr
 
 
 def expand(args: list[str], cwd: Path) -> list[str]:
