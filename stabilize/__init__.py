@@ -2,7 +2,8 @@
 
 The public API (issue 36; docs/design-your-model.md) is exported here lazily (PEP 562):
 ``import stabilize`` loads no torch, so ``stabilize-train --help`` stays light, and each name
-loads its module on first use. So far: norm discovery and surgery on any model."""
+loads its module on first use: the stability callback for any LightningModule
+(docs/your-model.md), its settings, and norm discovery and surgery on any model."""
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
@@ -15,6 +16,13 @@ except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
 
 # public name -> the module that defines it
 _EXPORTS = {
+    "StabilityCallback": "stabilize.lit.stability",
+    "StabilityAbort": "stabilize.stability.controller",
+    "Guard": "stabilize.guard",
+    "Verdict": "stabilize.guard",
+    "MonitorConfig": "stabilize.monitors",
+    "RollbackConfig": "stabilize.rollback",
+    "FaultConfig": "stabilize.faults",
     "find_norms": "stabilize.norms.surgery",
     "swap_norms": "stabilize.norms.surgery",
     "FoundNorm": "stabilize.norms.surgery",

@@ -86,6 +86,10 @@ COMMANDS: dict[str, str] = {
     "remedy}",
     "report-multirun": "stabilize-report multirun/main/*/*",
     "report-wandb": "stabilize-report --wandb ENTITY/PROJECT --group nan_repro",
+    # docs/your-model.md (tests/test_your_model_doc.py)
+    "hf-extra": ".venv/bin/pip install -q -e '.[hf]'",
+    "replay-mylm": "stabilize-replay runs/mylm/bundles/step-000006-nonfinite",
+    "bisect-guard": "stabilize-replay --bisect runs/guard/bundles/step-000005-activation",
 }
 
 # What cannot run here, and why: these are composed (their Hydra overrides built into a
@@ -104,6 +108,7 @@ COMPOSED_ONLY: dict[str, str] = {
     "docker-run-8gpu": "docker and 8 GPUs",
     "wandb-login": "a W&B account",
     "report-wandb": "the W&B API",
+    "hf-extra": "an install (the extra's requirement is checked against the installed one)",
 }
 
 _BLOCK = re.compile(r"^```([a-z]*)\n(.*?)^```", re.S | re.M)

@@ -32,6 +32,13 @@ def test_import_stabilize_loads_no_torch_and_each_name_loads_its_module():
 def test_the_exported_names_are_the_modules_own():
     assert stabilize.__all__ == [
         "__version__",
+        "StabilityCallback",
+        "StabilityAbort",
+        "Guard",
+        "Verdict",
+        "MonitorConfig",
+        "RollbackConfig",
+        "FaultConfig",
         "find_norms",
         "swap_norms",
         "FoundNorm",

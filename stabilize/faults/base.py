@@ -46,6 +46,26 @@ from stabilize.compat import fsdp_gathered_params
 from stabilize.faults.config import FAULTS, FaultConfig
 
 
+def residual_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's residual blocks in order: our GPT's ``h``; any other model's as the
+    probe finds them (``inspect_model``: the longest ModuleList of one class)."""
+    if isinstance(getattr(model, "h", None), nn.ModuleList):
+        return list(model.h)
+    from stabilize.model.foreign import inspect_model
+
+    return [m for _, m in inspect_model(model).blocks]
+
+
+def first_tensor(out):
+    """A block's hidden states: the output, or its first item (transformers 4's tuples)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def with_first(out, value):
+    """``out`` with its hidden states replaced by ``value`` (a tuple stays a tuple)."""
+    return (value, *out[1:]) if isinstance(out, tuple) else value
+
+
 class Fault:
     """One fault kind: every hook a no-op, so a kind overrides only the ones it uses.
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stabilize.faults.base import Fault, register_fault
+from stabilize.faults.base import Fault, register_fault, residual_blocks
 from stabilize.faults.config import FaultConfig
 from stabilize.validate import check_positive
 
@@ -85,7 +85,7 @@ class ActivationDrift(Fault):
             )
 
     def attach(self, model: nn.Module) -> None:
-        model.h[self.cfg.layer].register_forward_hook(self._drift_hook)
+        residual_blocks(model)[self.cfg.layer].register_forward_hook(self._drift_hook)
 
     def _drift_hook(self, module, args, out):
         c = self.cfg

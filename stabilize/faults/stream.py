@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stabilize.faults.base import register_fault
+from stabilize.faults.base import first_tensor, register_fault, residual_blocks, with_first
 from stabilize.faults.drift import ActivationDrift
 
 
@@ -46,10 +46,10 @@ class StreamDrift(ActivationDrift):
             )
 
     def attach(self, model: nn.Module) -> None:
-        blocks = model.h
+        blocks = residual_blocks(model)
         blocks[self.cfg.layer].register_forward_hook(self._scale_output)
         for block in blocks[self.cfg.layer + 1 :]:
-            block.register_forward_hook(self._scale_update)
+            block.register_forward_hook(self._scale_update, with_kwargs=True)
 
     def _active(self) -> bool:
         return not (self.disabled or not self.mine() or self.step < self.cfg.step)
@@ -58,16 +58,20 @@ class StreamDrift(ActivationDrift):
         if not self._active():
             self.drift_factor = 1.0
             return out
+        h = first_tensor(out)
         with torch.no_grad():
-            natural = float(out.detach().abs().max())
+            natural = float(h.detach().abs().max())
             if self.drift_start is None:  # the first drift step: the natural level
                 self.drift_start = natural
             f = self.planned(self.step) / natural if natural > 0 else 1.0
         self.drift_factor = f
-        return out * f
+        return with_first(out, h * f)
 
-    def _scale_update(self, module, args, out):
+    def _scale_update(self, module, args, kwargs, out):
         if not self._active() or self.drift_factor == 1.0:
             return out
-        x = args[0]  # already f times the natural stream
-        return x + (out - x) * self.drift_factor
+        # the block's input, already f times the natural stream (Hugging Face passes it by
+        # keyword in some versions)
+        x = args[0] if args else kwargs["hidden_states"]
+        h = first_tensor(out)
+        return with_first(out, x + (h - x) * self.drift_factor)

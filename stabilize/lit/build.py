@@ -131,7 +131,9 @@ def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
         periodic,
         ThroughputLogger(COMPUTE_DTYPE[run.precision.name]),
         ReplicaCheck(run.run_dir),
-        StabilityCallback(run.monitor, run.rollback, run.fault, run.run_dir, accum),
+        StabilityCallback(
+            run.monitor, run.rollback, run.fault, run.run_dir, accum, skip_items=run.data.skip_items
+        ),
         NormAudit(run.audit, run.run_dir),  # after the stability callback: sees its verdict
         StopAtModelStep(max_steps),
         *progress,

@@ -147,6 +147,37 @@ class GPTLitModule(L.LightningModule):
         """The trainer's own train batch sampler (``StepSampler``: positions -> items)."""
         return self._loader_cache[1][0].batch_sampler
 
+    def other_batches(self, positions: list[int]) -> tuple[list, list[int]]:
+        """The micro-batches at the data positions after ``positions`` (as many, skipped
+        ones passed over), and those positions: a re-run's other batches (host.py)."""
+        nxt, p = [], positions[-1] + 1
+        while len(nxt) < len(positions):
+            p = self.train_state.next_position(p)
+            nxt.append(p)
+            p += 1
+        return [self.batch_at(q) for q in nxt], nxt
+
+    def train_dataset(self):
+        """The training blocks, untagged (a fault on content reads them)."""
+        data = self.train_dataloader().dataset  # the trainer's (cached) loader's
+        return getattr(data, "dataset", data)
+
+    # ---- the rest of the stability core's Host protocol (stability/host.py) ---------------
+    @property
+    def clip_norm(self) -> float:
+        return self.cfg.optim.grad_clip
+
+    @property
+    def precision_name(self) -> str:
+        return self.cfg.precision.name
+
+    def run_config(self) -> dict[str, Any]:
+        return self.cfg.to_dict()
+
+    def host_info(self) -> dict[str, Any]:
+        """Our GPT is rebuilt from the bundle's ``config`` (replay/core.py)."""
+        return {"kind": "gpt"}
+
     def batch_at(self, data_step: int):
         """This rank's (x, y) micro-batch at data position ``data_step``, on the device (a
         replay's other batch: the order is a pure function of the position)."""

@@ -12,18 +12,28 @@ decision: warn, snapshot, roll back with a remedy, or abort with a diagnosis.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 
 from stabilize.data import parse_skip_items
-from stabilize.faults import FaultConfig, FaultInjector
+from stabilize.faults import FaultConfig, FaultInjector, fault_config
 from stabilize.lit.fsdp import is_fsdp
+from stabilize.lit.host import (
+    LightningHost,
+    StabilityConfigError,
+    module_path,
+    refuse_fault,
+    watched_model,
+)
 from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
 from stabilize.rollback import RollbackConfig
 from stabilize.rollback.sharded import Sharder
+from stabilize.rollback.state import TrainState
 from stabilize.stability import grad_scan
 from stabilize.stability.bundle import write_bundle
 from stabilize.stability.classify import LOCALIZED, Classifier
@@ -37,6 +47,14 @@ from stabilize.stability.gather import HEAD, StepGather
 from stabilize.stability.localize import first_named, locate
 from stabilize.stability.probe import StabilityProbe
 from stabilize.stability.sink import EventSink
+from stabilize.stability.view import view_of
+from stabilize.validate import build_dataclass
+
+
+def _settings(cls: type, value, key: str):
+    """A settings group: an instance as it is; a dict (or None: the defaults) built with
+    its keys checked (one line naming the bad key and the allowed ones)."""
+    return value if isinstance(value, cls) else build_dataclass(cls, dict(value or {}), key)
 
 
 def _sharded(trainer) -> bool:
@@ -48,23 +66,45 @@ def _sharded(trainer) -> bool:
 class StabilityCallback(L.Callback):
     def __init__(
         self,
-        monitor: MonitorConfig,
-        rollback: RollbackConfig,
-        fault: FaultConfig,
-        run_dir: str,
-        accumulate: int = 1,
+        monitor: MonitorConfig | dict | None = None,
+        rollback: RollbackConfig | dict | None = None,
+        fault: FaultConfig | dict | None = None,
+        run_dir: str | Path | None = None,
+        accumulate: int | None = None,
+        *,
+        model: nn.Module | str | None = None,
+        blocks: str | None = None,
+        skip_items: Iterable[str] | str = (),
+        factory: str | None = None,
     ):
+        """Settings as the ``stabilize-train`` groups (``monitor``, ``rollback``, ``fault``):
+        a dataclass, a dict of its keys, or None for the defaults. ``run_dir``: where
+        events, bundles and snapshots go (default: the Trainer's log dir). ``accumulate``:
+        default the Trainer's ``accumulate_grad_batches``. For a LightningModule we did not
+        write (docs/your-model.md): ``model``, the network to watch (a module or an
+        attribute path; default the child holding every parameter), ``blocks``, a glob
+        naming its residual blocks (default the longest ModuleList), ``factory``,
+        ``pkg.mod:fn`` that rebuilds the module for ``stabilize-replay`` (default its
+        class with its saved ``hparams``). ``skip_items``: ``data.skip_items``."""
+        monitor = MonitorConfig.build(monitor if monitor is not None else {}, "monitor")
+        rollback = _settings(RollbackConfig, rollback, "rollback")
+        fault = fault if isinstance(fault, FaultConfig) else fault_config(fault)
         self.mcfg, self.rcfg, self.fcfg = monitor, rollback, fault
         # without monitors nothing can call for a rollback: no snapshots to pay for either
         self.rollback_on = rollback.enabled and monitor.enabled
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir) if run_dir is not None else None
         self.accumulate = accumulate
+        self._model, self._blocks, self.factory = model, blocks, factory
+        self.skip_items = skip_items
+        self.host = None  # GPTLitModule itself, or a LightningHost (set up in setup)
+        self._driven = False  # the host is a LightningHost: this callback drives it
+        self._budget = -1  # a foreign module's max_steps, counted in model steps
         self.suite = MonitorSuite(monitor)
         # a monitor that reads a log-step-only series gets it on every step
         self._detailed_always = bool(self.suite.needs & StabilityProbe.DETAILED_ONLY)
-        self.sink = EventSink(run_dir, self.rollback_on)
-        self.controller = RollbackController(rollback, run_dir, self.suite, self.sink)
-        self.gather = StepGather(accumulate)
+        self.sink = EventSink(run_dir or ".", self.rollback_on)
+        self.controller = RollbackController(rollback, run_dir or ".", self.suite, self.sink)
+        self.gather = StepGather(accumulate or 1)
         self.classifier = Classifier(self.gather, self.suite)
         rep = monitor.replicas
         self.replicas_every = rep.every if monitor.enabled and rep.enabled else 0
@@ -99,23 +139,27 @@ class StabilityCallback(L.Callback):
 
     # ---- set-up -------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage):
-        model = pl_module.model
+        if stage != "fit":
+            return
+        self._own_host(trainer, pl_module)
+        model = self.host.model
         # The fault's hook first: hooks run in registration order, and the probe must
         # measure what the next layer really receives.
         self.injector = FaultInjector(self.fcfg, rank=trainer.global_rank)
         self.injector.attach(model)
-        pl_module.injector = self.controller.injector = self.injector
+        self.host.injector = self.controller.injector = self.injector
         if getattr(self, "_fault_state", None):  # resumed: loaded before this runs
             self.injector.load_state_dict(self._fault_state)
         # a data-linked fault's batches stay skipped across launches (in place: the
         # sampler shares the set)
-        pl_module.train_state.skipped |= load_skipped(self.run_dir)
+        self.host.train_state.skipped |= load_skipped(self.run_dir)
         # and the sequences found by stabilize-replay --data, or named in data.skip_items
-        items = pl_module.train_state.skipped_items
-        items.update(parse_skip_items(pl_module.cfg.data.skip_items))
+        items = self.host.train_state.skipped_items
+        items.update(parse_skip_items(self.skip_items))
         items.update(load_skipped_items(self.run_dir))
         if self.mcfg.enabled:
-            self.probe = StabilityProbe(model, lead=HEAD)
+            view = view_of(model, self._blocks)
+            self.probe = StabilityProbe(view, lead=HEAD)
         # DDP replicas hold the same state: each rank snapshots 1/world of it (sharded.py)
         world = trainer.world_size if isinstance(trainer.strategy, DDPStrategy) else 1
         fsdp = is_fsdp(trainer.strategy)  # each rank's state is its shard already
@@ -123,11 +167,49 @@ class StabilityCallback(L.Callback):
         if world > 1 and self.rollback_on:
             rank_zero_info(f"[stability] snapshots sharded: each of {world} ranks keeps 1/{world}")
 
+    def _own_host(self, trainer, pl_module) -> None:
+        """Our GPTLitModule is its own host; any other LightningModule gets a
+        LightningHost (lit/host.py). The run dir, accumulation and budget are settled."""
+        if self.run_dir is None:
+            self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sink.run_dir = self.controller.run_dir = self.run_dir
+        if self.accumulate is None:
+            self.accumulate = self.gather.accumulate = int(trainer.accumulate_grad_batches)
+        if self.host is not None:  # given (stabilize.Guard's)
+            return
+        if isinstance(getattr(pl_module, "train_state", None), TrainState):
+            self.host, self._driven = pl_module, False
+            return
+        if not pl_module.automatic_optimization:
+            raise StabilityConfigError(
+                f"{type(pl_module).__name__}: manual optimization is not supported by "
+                "StabilityCallback (it judges each step between backward and optimizer step)"
+            )
+        model = watched_model(pl_module, self._model)
+        refuse_fault(self.fcfg, gradients=False)
+        self.host = LightningHost(pl_module, trainer, model, self.rcfg, self.factory)
+        self._driven = True
+        where = module_path(pl_module)
+        if where.startswith("__main__:") and self.factory is None and trainer.is_global_zero:
+            print(f"[stability] {where} is defined in a script: its repro bundles cannot be "
+                  "replayed in another process (move it to a module, or give "
+                  "StabilityCallback(factory='pkg.mod:fn'))", flush=True)  # fmt: skip
+        if trainer.max_steps > 0:  # the model's steps, not Lightning's (which never rewind)
+            self._budget = trainer.max_steps
+            trainer.fit_loop.epoch_loop.max_steps = -1
+
     def on_train_start(self, trainer, pl_module):
-        data = pl_module.train_dataloader().dataset  # the trainer's (cached) loader's
-        self.injector.bind_data(getattr(data, "dataset", data))  # the blocks, untagged
+        if self._driven:
+            if len(trainer.optimizers) != 1:
+                raise StabilityConfigError(
+                    f"{type(pl_module).__name__}: {len(trainer.optimizers)} optimizers; "
+                    "StabilityCallback watches a module with exactly one"
+                )
+            self.host.start()
+        self.injector.bind_data(self.host.train_dataset())
         if self.rollback_on:
-            self._snapshot(trainer, pl_module)  # a floor to return to, before any step
+            self._snapshot(trainer, self.host)  # a floor to return to, before any step
 
     def on_train_end(self, trainer, pl_module):
         self.sink.close(trainer)
@@ -152,29 +234,39 @@ class StabilityCallback(L.Callback):
     # replays and the snapshot ring never see it; the restore itself waits for
     # on_train_batch_end, after Lightning's step / scaler update / scheduler bookkeeping.
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self._driven:
+            self.host.batch_start()
         # the first fresh micro-batch of an optimizer step (not data_step % accumulate: a
         # skip_data remedy may move the position by any number of micro-batches)
-        if pl_module.window_start and self.probe is not None:
+        if self.host.window_start and self.probe is not None:
             # this step is logged iff Lightning's step after it is a multiple of the interval
             logged = (trainer.global_step + 1) % trainer.log_every_n_steps == 0
             self._detailed = logged or self._detailed_always
-            self.probe.reset(detailed=self._detailed, device=pl_module.device, logged=logged)
+            self.probe.reset(detailed=self._detailed, device=self.host.device, logged=logged)
         self._batch = batch
-        if pl_module.window_start:
+        if self.host.window_start:
             self._batches, self._positions = [], []
-        if not pl_module.stale_batch:
+        if not self.host.stale_batch:
             self._batches.append(batch)
-            self._positions.append(pl_module.train_state.data_step)
+            self._positions.append(self.host.train_state.data_step)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self._driven:
+            self.host.saw_loss(loss)
 
     def on_after_backward(self, trainer, pl_module):
+        if self._driven:
+            self.host.after_backward()
         # Lightning calls this before the module's own hook, where a fault may write a
         # parameter: the durable copy of the last snapshot's state has landed by then
         self.controller.sharder.fence()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if pl_module.stale_batch or not (self.mcfg.enabled or self.rollback_on):
+        if self._driven:
+            self.host.stepping()
+        if self.host.stale_batch or not (self.mcfg.enabled or self.rollback_on):
             return
-        stats = self._gather(trainer, pl_module, optimizer)
+        stats = self._gather(trainer, self.host, optimizer)
         events = self.suite.update(stats)
         self.last = stats
         nonfinite = stats.grad_norm is not None and not math.isfinite(stats.grad_norm)
@@ -183,17 +275,28 @@ class StabilityCallback(L.Callback):
             over = [e.layer for e in bad if e.monitor == "overflow"]
             if over:  # every norm that overflowed at this step (the fp32_sites remedy)
                 bad[0].extra["overflowed"] = over
-            self._classify(trainer, pl_module, bad)
+            self._classify(trainer, self.host, bad)
         if nonfinite and not _sharded(trainer):  # FSDP: each rank holds a shard's gradients
-            self._scan_grads(trainer, pl_module, stats, events)
-        self._bundle(trainer, pl_module, stats, events, bad)
+            self._scan_grads(trainer, self.host, stats, events)
+        self._bundle(trainer, self.host, stats, events, bad)
         if bad and self.rollback_on:
             optimizer.zero_grad(set_to_none=True)  # nothing of this step is applied
-            pl_module.train_state.skip_step = True
+            self.host.train_state.skip_step = True
         self._pending = (stats, events, bad[0] if bad and self.rollback_on else None)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if pl_module.stale_batch or self._pending is None:
+        if self._driven:
+            self.host.step_end(self._batches, self._positions)
+            self._judge_end(trainer)
+            if 0 < self._budget <= self.host.train_state.model_step:
+                trainer.should_stop = True
+            return
+        self._judge_end(trainer)
+
+    def _judge_end(self, trainer) -> None:
+        """After the optimizer step: the step's logs and events, then the rollback or the
+        snapshot."""
+        if self.host.stale_batch or self._pending is None:
             return  # a stale batch, or mid-accumulation: no optimizer step was judged
         stats, events, fault = self._pending
         self._pending = None
@@ -204,19 +307,19 @@ class StabilityCallback(L.Callback):
         for e in events:
             self.sink.emit(trainer, e)
         if fault is not None:
-            self._rollback(trainer, pl_module, fault)
-        elif self.rollback_on and pl_module.train_state.model_step % self.rcfg.snapshot_every == 0:
-            self._snapshot(trainer, pl_module)
+            self._rollback(trainer, self.host, fault)
+        elif self.rollback_on and self.host.train_state.model_step % self.rcfg.snapshot_every == 0:
+            self._snapshot(trainer, self.host)
 
     # ---- the parts (methods, so that a benchmark can time each one) ------------------------
-    def _gather(self, trainer, pl_module, optimizer) -> StepStats:
+    def _gather(self, trainer, host, optimizer) -> StepStats:
         """One vector, one collective, one host transfer (with every rank's parameter
         fingerprint every ``monitor.replicas.every`` steps)."""
         n = 0 if _sharded(trainer) else self.replicas_every  # shards differ by design
-        due = bool(n) and trainer.world_size > 1 and (pl_module.train_state.model_step + 1) % n == 0
-        return self.gather(trainer, pl_module, optimizer, self.probe, replicas=due)
+        due = bool(n) and trainer.world_size > 1 and (host.train_state.model_step + 1) % n == 0
+        return self.gather(trainer, host, optimizer, self.probe, replicas=due)
 
-    def _bundle(self, trainer, pl_module, stats, events: list[Event], bad: list[Event]) -> None:
+    def _bundle(self, trainer, host, stats, events: list[Event], bad: list[Event]) -> None:
         """A repro bundle of the step (bundle.py), before anything is restored. Every rank
         takes the same decision (same events), as the gather of the batches needs."""
         mode = self.rcfg.bundle
@@ -232,23 +335,24 @@ class StabilityCallback(L.Callback):
                 print("[bundle] no repro bundle: the parameters are sharded", flush=True)
             self._bundled_note = True
             return
-        write_bundle(trainer, pl_module, stats, worth, self._batches, self._positions, self.rcfg,
-                     sharded=fsdp)  # fmt: skip
+        write_bundle(trainer, host, stats, worth, self._batches, self._positions, self.rcfg,
+                     self.run_dir, sharded=fsdp)  # fmt: skip
 
-    def _scan_grads(self, trainer, pl_module, stats: StepStats, events: list[Event]) -> None:
+    def _scan_grads(self, trainer, host, stats: StepStats, events: list[Event]) -> None:
         """A non-finite gradient norm (a NaN or inf, an fp16 scaler skip): where it was made
         (grad_scan.py). The localization of a ROLLBACK verdict's replay where there is one
         (``_classify`` ran first); else, on the first non-finite step of an episode, the step
         re-run with hooks; the step's own gradients scanned once in any case. The module
         goes into the verdict's message (the console), its extra (events.jsonl,
         diagnosis.json) and the step's logs."""
-        info = grad_scan.scan(pl_module.model, loss_finite=math.isfinite(stats.loss))
+        view = self.probe.view if self.probe is not None else None
+        info = grad_scan.scan(host.model, loss_finite=math.isfinite(stats.loss), view=view)
         stats.layer_grad_norm = {**stats.layer_grad_norm, **info.pop("block_grad_norm")}
         located = [e.extra["localization"] for e in events if "localization" in e.extra]
         if located:
             info = grad_scan.with_rerun(info, first_named(located[0]))
         elif abs(stats.step - self._scanned) > GAP:  # the console prints this one in full
-            loc = locate(trainer, pl_module, self._batches, self._positions)
+            loc = locate(trainer, host, self._batches, self._positions)
             info = grad_scan.with_rerun(info, loc)
         self._scanned = stats.step
         for e in events:
@@ -257,7 +361,7 @@ class StabilityCallback(L.Callback):
             if e.monitor in LOCALIZED:
                 e.message += f"; {grad_scan.describe(info)}"
 
-    def _classify(self, trainer, pl_module, bad: list[Event]) -> None:
+    def _classify(self, trainer, host, bad: list[Event]) -> None:
         """Replay the step (on the event only): the fault's class, for the remedy, and where
         a non-finite value started. Localized every time when rolled back; without
         rollback, the first time only (a run left to go on would replay every step after)."""
@@ -269,7 +373,7 @@ class StabilityCallback(L.Callback):
             return
         info = self.classifier(
             trainer,
-            pl_module,
+            host,
             fault,
             self.probe,
             self._detailed,
@@ -287,16 +391,16 @@ class StabilityCallback(L.Callback):
         dims = self.probe.dims if self.probe is not None else None
         self.sink.log_stats(trainer, s, self.suite.forecast, dims, layers)
 
-    def _snapshot(self, trainer, pl_module) -> None:
-        self.controller.snapshot(trainer, pl_module)
+    def _snapshot(self, trainer, host) -> None:
+        self.controller.snapshot(trainer, host)
 
-    def restore(self, trainer, pl_module, st: dict) -> None:
+    def restore(self, trainer, host, st: dict) -> None:
         """Load a snapshot's state into the live model, optimizer, scheduler, scaler and
         monitors (no remedy, no data seek)."""
-        self.controller.restore(trainer, pl_module, st)
+        self.controller.restore(trainer, host, st)
 
-    def _rollback(self, trainer, pl_module, event: Event) -> None:
-        self.controller.rollback(trainer, pl_module, event, self.last)
+    def _rollback(self, trainer, host, event: Event) -> None:
+        self.controller.rollback(trainer, host, event, self.last)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:

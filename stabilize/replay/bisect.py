@@ -56,7 +56,20 @@ def override(culprits: list[str]) -> str:
     )
 
 
+def swap_call(culprits: list[str]) -> str:
+    """For a model we did not build: the ``swap_norms`` call that switches exactly those
+    norms' reductions to fp32 (after the build's own swap)."""
+    sites = ", ".join(f'"{c}": {{"reduction_dtype": "fp32"}}' for c in culprits)
+    return f"stabilize.swap_norms(model, sites={{{sites}}})"
+
+
 def precision_main(bundle: Path) -> int:
+    import json
+
+    foreign = json.loads((bundle / "meta.json").read_text()).get("host", {}).get("kind") in (
+        "lightning",
+        "guard",
+    )
     b = precision(bundle)
     head = f"bisection over {len(b['sites'])} norms with a 16-bit reduction, {b['replays']} replays"
     if b["failing"] and not b["sites"]:  # it reproduces: the norms are not why (issue 34)
@@ -72,6 +85,9 @@ def precision_main(bundle: Path) -> int:
         return 1
     print(f"{head}: fp32 at {', '.join(b['culprits'])} clears the step "
           f"(overflowed in the replay: {', '.join(b['overflowed']) or 'none'})")  # fmt: skip
+    if foreign:  # no Hydra config to override: the model's own build
+        print(f"in the model's build, after its swap: {swap_call(b['culprits'])}")
+        return 0
     print(f'run with: "{override(b["culprits"])}"')  # quoted: a shell would expand {a,b}
     return 0
 

@@ -33,7 +33,7 @@ class BadBundle(Exception):
 
 def check(bundle: Path) -> dict[str, Any]:
     """The bundle's meta, once every file matches its manifest; else ``BadBundle``."""
-    from stabilize.stability.bundle import FORMAT, sha256
+    from stabilize.stability.bundle import READS, sha256
 
     man = bundle / "manifest.json"
     if not man.is_file():
@@ -42,9 +42,9 @@ def check(bundle: Path) -> dict[str, Any]:
         manifest = json.loads(man.read_text())
     except ValueError as e:
         raise BadBundle(f"{man}: not JSON ({e})") from None
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in READS:
         raise BadBundle(f"{man}: bundle format {manifest.get('format')!r}; this version reads "
-                        f"{FORMAT}")  # fmt: skip
+                        f"{' and '.join(map(str, READS))}")  # fmt: skip
     for name, want in manifest["files"].items():
         f = bundle / name
         if not f.is_file():
@@ -78,6 +78,13 @@ def replay(
     from stabilize.trust import torch_load
 
     meta = check(bundle)
+    if meta.get("host", {}).get("kind") in ("lightning", "guard"):  # a model we did not build
+        from stabilize.replay.rebuild import replay_module
+
+        model, step = _rebuilt(meta["host"])  # refused in one line before anything is loaded
+        state = torch_load(bundle / "state.pt", trusted=False, map_location="cpu")
+        ranks = torch_load(bundle / "batch.pt", trusted=False, map_location="cpu")["ranks"]
+        return replay_module(model, step, meta, state, ranks, fp32_sites)
     cfg = RunConfig.from_saved(meta["config"])  # a bundle of an older version too
     if meta.get("state_sharded"):  # FSDP: the ranks' shards, into one unsharded model
         state = sharded_state(bundle / "state", cfg)
@@ -90,6 +97,15 @@ def replay(
         return _run(bundle, meta, cfg, state, ranks, fp32_sites, rows)
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+def _rebuilt(host: dict[str, Any]):
+    from stabilize.replay.rebuild import CannotRebuild, rebuild_module
+
+    try:
+        return rebuild_module(host)
+    except CannotRebuild as e:
+        raise BadBundle(f"cannot rebuild the module: {e}") from None
 
 
 def sharded_state(path: Path, cfg) -> dict[str, Any]:
@@ -141,25 +157,54 @@ def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites, ro
     from stabilize.lit.module import step_seed
     from stabilize.model import GPT
     from stabilize.model.logits import lm_loss
-    from stabilize.stability.localize import _Trace
 
     model = GPT(cfg.model)
     model.load_state_dict(state["model"])
     model.z_loss = state["train_state"].get("z_loss", cfg.model.z_loss)
+    inj = FaultInjector(cfg.fault) if cfg.fault.kind != "none" else None
+
+    def forward(batch):
+        x, y = batch
+        return lm_loss(model(x), y, model.z_loss)
+
+    def reseed(pos: int, rank: int) -> None:
+        if cfg.model.dropout > 0:
+            torch.default_generator.manual_seed(step_seed(cfg.seed, pos, rank))
+
+    def select(r: dict, m: int, batch):  # a subset of the sequences (the data bisection)
+        if rows is None:
+            return batch
+        keep = [j for j in range(len(batch[0])) if (r["rank"], m, j) in rows]
+        return (batch[0][keep], batch[1][keep]) if keep else None
+
+    return replay_step(model, forward, meta, state, ranks, fp32_sites, inj,
+                       precision=cfg.precision.name, reseed=reseed, select=select)  # fmt: skip
+
+
+def replay_step(model, forward, meta: dict, state: dict, ranks: list[dict], fp32_sites, inj,
+                *, precision: str, reseed=None, select=None) -> dict:  # fmt: skip
+    """Every rank's recorded micro-batches through ``forward(batch) -> loss`` and backward,
+    as training ran them: the norms in ``fp32_sites`` switched to fp32, the run's autocast
+    and loss scale, the fault injector ``inj`` (or None) planted again as each rank's with
+    the course it had, the gradients averaged over the ranks as DDP does; the trace's
+    localization and the norms that overflowed. ``reseed(pos, rank)``: dropout's seeds;
+    ``select(rank_record, m, batch)``: a subset of a micro-batch's rows (None: skip it)."""
+    import torch
+
+    from stabilize.stability.localize import _Trace
+
     norms = dict(model.named_modules())
     for site in fp32_sites:
         norms[site].reduction_dtype = "fp32"
+    if inj is not None:  # attached once: its forward hooks are not removable
+        inj.attach(model)
     overflows = _Overflows(model)
     model.train()
-    dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(cfg.precision.name)
+    dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
     scale = meta["recorded"].get("loss_scale") or 1.0
     scale = scale if scale > 0 else 1.0
     step, world = meta["step"], meta["world_size"]
     losses, sums = [], None
-    inj = None
-    if cfg.fault.kind != "none":
-        inj = FaultInjector(cfg.fault)  # attached once: its forward hooks are not removable
-        inj.attach(model)
     # after the fault's hooks, as in training: the trace sees what the next module receives
     # (before, a poisoned embedding was charged to the dropout after it)
     trace = _Trace(model)
@@ -172,19 +217,23 @@ def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites, ro
                     inj.fault.restore(state["fault"])  # the course it had (a drift's factor)
             for p in model.parameters():
                 p.grad = None
-            n = len(r["x"])
-            for m, (x, y, pos) in enumerate(zip(r["x"], r["y"], r["positions"], strict=True)):
-                if rows is not None:  # a subset of the sequences (the data bisection)
-                    keep = [j for j in range(len(x)) if (r["rank"], m, j) in rows]
-                    if not keep:
-                        continue
-                    x, y = x[keep], y[keep]
-                if cfg.model.dropout > 0:
-                    torch.default_generator.manual_seed(step_seed(cfg.seed, pos, r["rank"]))
+            batches = r.get("batches") or list(zip(r["x"], r["y"], strict=True))
+            n = len(batches)
+            for m, (batch, pos) in enumerate(zip(batches, r["positions"], strict=True)):
+                if select is not None and (batch := select(r, m, batch)) is None:
+                    continue
+                if reseed is not None:
+                    reseed(pos, r["rank"])
                 if inj is not None:
                     inj.begin(step, pos)
-                with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-                    loss = lm_loss(model(x), y, model.z_loss)
+                with (
+                    torch.autocast("cpu", dtype=dtype, enabled=dtype is not None),
+                    warnings.catch_warnings(),
+                ):
+                    # a module returning a dataclass (Hugging Face's ModelOutput) gets no
+                    # backward hook: its children's name the gradient
+                    warnings.filterwarnings("ignore", "For backward hooks to be called")
+                    loss = forward(batch)
                 if inj is not None:
                     loss = inj.on_loss(step, loss)
                     inj.arm(step, model)

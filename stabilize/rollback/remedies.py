@@ -213,6 +213,11 @@ class ZLoss(Remedy):
     name = "z_loss"
     config = ZLossConfig
 
+    def unchanged(self, state: TrainState, cfg: ZLossConfig) -> str | None:
+        if not hasattr(state.model, "z_loss"):
+            return f"{type(state.model).__name__}'s loss has no z-loss term to switch on"
+        return None
+
     def apply(self, state: TrainState, cfg: ZLossConfig) -> dict[str, Any]:
         before = float(state.model.z_loss)
         state.model.z_loss = max(before, cfg.weight)

@@ -61,7 +61,8 @@ class TrainState:
             "lr_scale": self.lr_scale,
             "lr_since": self.lr_since,
             "remedies": list(self.remedies),
-            "z_loss": float(self.model.z_loss),  # the z_loss remedy may have switched it on
+            # the z_loss remedy may have switched it on (a model without one: 0)
+            "z_loss": float(getattr(self.model, "z_loss", 0.0)),
             "skipped": sorted(self.skipped),
             "skipped_items": {str(i): h for i, h in sorted(self.skipped_items.items())},
             "fp32_sites": list(self.fp32_sites),
@@ -75,7 +76,8 @@ class TrainState:
         self.lr_scale = state.get("lr_scale", 1.0)
         self.lr_since = state.get("lr_since")
         self.remedies = list(state.get("remedies", []))
-        self.model.z_loss = state.get("z_loss", z_loss)
+        if hasattr(self.model, "z_loss"):
+            self.model.z_loss = state.get("z_loss", z_loss)
         self.skipped |= set(state.get("skipped", []))  # in place (the sampler's set)
         self.skipped_items.update({int(i): h for i, h in state.get("skipped_items", {}).items()})
         self.fp32_sites = list(state.get("fp32_sites", []))

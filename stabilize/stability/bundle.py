@@ -36,7 +36,10 @@ from typing import Any
 
 import torch
 
-FORMAT = 1
+from stabilize.rollback import to_cpu
+
+FORMAT = 2
+READS = (1, 2)  # format 1: our GPT only (no ``host``); 2 adds ``host`` and any batch layout
 FILES = ("state.pt", "batch.pt", "meta.json")
 
 
@@ -77,26 +80,36 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
+def _pair(b: Any) -> bool:
+    return (
+        isinstance(b, (tuple, list))
+        and len(b) == 2
+        and all(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in b)
+    )
+
+
 def write_bundle(
-    trainer, pl_module, stats, events, batches, positions, rcfg, sharded: bool = False
+    trainer, host, stats, events, batches, positions, rcfg, run_dir, sharded: bool = False
 ) -> Path | None:
     """Every rank calls this at a faulty step (a collective under DDP and FSDP); rank 0
     writes all but the FSDP shards. Returns the bundle's directory on rank 0."""
     rank, world = trainer.global_rank, trainer.world_size
-    sampler = pl_module.train_sampler()
-    mine = {
-        "rank": rank,
-        "x": [b[0].detach().cpu() for b in batches],
-        "y": [b[1].detach().cpu() for b in batches],
-        "positions": list(positions),
-        "items": [sampler.batch_for_step(p, rank) for p in positions],
-    }
+    sampler = host.train_sampler()
+    mine: dict[str, Any] = {"rank": rank, "positions": list(positions)}
+    if all(_pair(b) for b in batches):  # (x, y) token ids: the data bisection reads rows
+        mine["x"] = [b[0].detach().cpu() for b in batches]
+        mine["y"] = [b[1].detach().cpu() for b in batches]
+    else:  # any other batch: its tensors, as they came (dicts, lists, tuples)
+        mine["batches"] = [to_cpu(b) for b in batches]
+    mine["items"] = (
+        [sampler.batch_for_step(p, rank) for p in positions] if sampler is not None else None
+    )
     ranks = [mine]
     if world > 1:
         ranks = [None] * world
         torch.distributed.all_gather_object(ranks, mine)
     t0 = time.perf_counter()
-    run_dir = Path(pl_module.cfg.run_dir)
+    run_dir = Path(run_dir)
     first = events[0] if events else None
     name = f"step-{stats.step:06d}-{first.monitor if first else 'on-demand'}"
     final = run_dir / "bundles" / name
@@ -106,23 +119,23 @@ def write_bundle(
         tmp.mkdir(parents=True)
     opt = trainer.optimizers[0]
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    injector = pl_module.injector
+    injector = host.injector
     state = {
-        "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+        "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
         "scaler": scaler.state_dict() if scaler is not None else None,
-        "train_state": pl_module.train_state.state_dict(),
+        "train_state": host.train_state.state_dict(),
         "fault": injector.snapshot_state() if injector is not None else None,
     }
     # under FSDP these are DTensors, whose numel() is the global one: the size is the
     # whole state's on every rank, so every rank takes the same decision
-    big = [pl_module.model.state_dict(), opt.state_dict()]
+    big = [host.model.state_dict(), opt.state_dict()]
     size_mb = _nbytes([state, big]) / 2**20
     omitted = rcfg.bundle_max_mb >= 0 and size_mb > rcfg.bundle_max_mb
     if sharded and not omitted:  # every rank writes its shard (DCP's save: a collective)
         from stabilize.rollback.dcp import save_sharded
         from stabilize.rollback.snapshots import Snapshot
 
-        save_sharded(Snapshot(stats.step, state, 0.0), pl_module.model, opt, tmp)
+        save_sharded(Snapshot(stats.step, state, 0.0), host.model, opt, tmp)
         if rank == 0:
             (tmp / f"snapshot-{stats.step:06d}").rename(tmp / "state")
     if rank != 0:
@@ -134,8 +147,8 @@ def write_bundle(
         "format": FORMAT,
         "step": stats.step,
         "world_size": world,
-        "device": pl_module.device.type,
-        "precision": pl_module.cfg.precision.name,
+        "device": host.device.type,
+        "precision": host.precision_name,
         "recorded": {
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
@@ -145,7 +158,8 @@ def write_bundle(
         "state_sharded": sharded and not omitted,
         "events": [e.to_dict() for e in events],
         "versions": versions(),
-        "config": pl_module.cfg.to_dict(),
+        "config": host.run_config(),
+        "host": host.host_info(),
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     names = [f for f in FILES if (tmp / f).exists()]

@@ -61,17 +61,17 @@ class Classifier:
         judge = copy.deepcopy(self.suite)
         return any(e.kind == ROLLBACK and e.monitor == monitor for e in judge.update(stats))
 
-    def _run(self, trainer, pl_module, probe, detailed, batches, positions, trace):
+    def _run(self, trainer, host, probe, detailed, batches, positions, trace):
         if probe is not None:
-            probe.reset(detailed=detailed, device=pl_module.device)
-        r = replay(trainer, pl_module, batches, positions, trace=trace)
-        no_fp = torch.full((CHUNKS,), -1.0, device=pl_module.device)
-        return self.gather.reduce(trainer, pl_module, r["head"], no_fp, probe), r
+            probe.reset(detailed=detailed, device=host.device)
+        r = replay(trainer, host, batches, positions, trace=trace)
+        no_fp = torch.full((CHUNKS,), -1.0, device=host.device)
+        return self.gather.reduce(trainer, host, r["head"], no_fp, probe), r
 
     def __call__(
         self,
         trainer,
-        pl_module,
+        host,
         event: Event,
         probe,
         detailed: bool,
@@ -85,7 +85,7 @@ class Classifier:
         ``classify`` the ``class``, the replay's numbers, ``ranks`` (transient) or
         ``batches`` (data-linked)."""
         before = list(self.gather.ranks)
-        stats, r = self._run(trainer, pl_module, probe, detailed, batches, positions, localize)
+        stats, r = self._run(trainer, host, probe, detailed, batches, positions, localize)
         mine = {"losses": r["losses"], **({"loc": r["localization"]} if localize else {})}
         reports = gather_reports(trainer, mine)
         info: dict[str, Any] = {}
@@ -97,13 +97,11 @@ class Classifier:
         if not self.calls_again(stats, event.monitor):
             return {**info, "class": "transient", "ranks": blame(before, self.gather.ranks)}
         # the same batches fail again from the same weights: do other batches?
-        nxt, p = [], positions[-1] + 1
-        while len(nxt) < len(positions):
-            p = pl_module.train_state.next_position(p)
-            nxt.append(p)
-            p += 1
-        other = [pl_module.batch_at(q) for q in nxt]
-        stats2, _ = self._run(trainer, pl_module, probe, detailed, other, nxt, False)
+        other, nxt = host.other_batches(positions)
+        if not other:  # no other batch to try: model or data cannot be told apart
+            why = "the same batches fail again; no other batches to tell the model from the data"
+            return {**info, "unclassified": why}  # no class: the whole ladder
+        stats2, _ = self._run(trainer, host, probe, detailed, other, nxt, False)
         info["other_batches"] = {"positions": nxt, "loss": stats2.loss}
         if self.calls_again(stats2, event.monitor):
             return {**info, "class": "deterministic"}
@@ -113,28 +111,30 @@ class Classifier:
             if any(not math.isfinite(x["losses"][i]) for x in reports)
         ]
         bad = bad or list(positions)
-        rows = bad_rows(pl_module, [batches[positions.index(q)] for q in bad], bad)
+        rows = bad_rows(host, [batches[positions.index(q)] for q in bad], bad)
         if probe is not None:  # the per-row forward went through the probe's hooks
-            probe.reset(detailed=detailed, device=pl_module.device)
+            probe.reset(detailed=detailed, device=host.device)
         items = [it for x in gather_reports(trainer, {"rows": rows}) for it in x["rows"]]
         return {**info, "class": "data", "batches": bad, "items": items}
 
 
-def bad_rows(pl_module, batches: list, positions: list[int]) -> list[dict[str, Any]]:
+def bad_rows(host, batches: list, positions: list[int]) -> list[dict[str, Any]]:
     """This rank's sequences whose own loss is non-finite, one forward per micro-batch
     (no gradient): the rows of a causal LM do not mix, so a row's loss is its own. Each
     by training block index and content hash (``skip_rows`` steps over them)."""
     from stabilize.data import block_hash
 
-    model, inj, rank = pl_module.model, pl_module.injector, pl_module.global_rank
-    sampler, step = pl_module.train_sampler(), pl_module.train_state.model_step + 1
-    out = []
+    model, inj, rank = host.model, host.injector, host.global_rank
+    sampler, step = host.train_sampler(), host.train_state.model_step + 1
+    out: list[dict[str, Any]] = []
+    if sampler is None:  # sequences cannot be named without the item indices
+        return out
     with torch.no_grad():
         for (x, y), pos in zip(batches, positions, strict=True):
-            pl_module.seed_dropout(pos)
+            host.seed_dropout(pos)
             if inj is not None:
                 inj.begin(step, pos)
-            with pl_module.trainer.precision_plugin.forward_context():
+            with host.trainer.precision_plugin.forward_context():
                 logits = model(x)
             ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
             row_ok = torch.isfinite(ce.view(y.shape)).all(dim=1).tolist()

@@ -94,41 +94,43 @@ class RollbackController:
 
     @staticmethod
     def _objects(trainer):
+        """The optimizer, every LR scheduler Lightning holds (none, one or more) and the
+        loss scaler (or None)."""
         opt = trainer.optimizers[0]
-        sched = trainer.lr_scheduler_configs[0].scheduler
+        scheds = [c.scheduler for c in trainer.lr_scheduler_configs]
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        return opt, sched, scaler
+        return opt, scheds, scaler
 
-    def snapshot(self, trainer, pl_module) -> None:
-        opt, sched, scaler = self._objects(trainer)
+    def snapshot(self, trainer, host) -> None:
+        opt, scheds, scaler = self._objects(trainer)
         # the host buffers of the snapshot leaving the ring are written in place (copy_):
         # no allocation once the ring is full (stabilize.rollback.SnapshotRing)
         old = self.ring.recycle() or {}
         if self.writer.busy_with(old):  # still being written to disk: let it finish first
             self.writer.wait()
         # model + optimizer: full host copies, or this rank's 1/world slice under DDP
-        parts = {"model": pl_module.model.state_dict(), "optimizer": opt.state_dict()}
+        parts = {"model": host.model.state_dict(), "optimizer": opt.state_dict()}
         state = {
             **self.sharder.capture(parts, old, opt),
-            "scheduler": to_cpu(sched.state_dict()),
+            "schedulers": [to_cpu(s.state_dict()) for s in scheds],
             "scaler": scaler.state_dict() if scaler is not None else None,
-            "model_step": pl_module.train_state.model_step,
-            "data_step": pl_module.train_state.data_step,
+            "model_step": host.train_state.model_step,
+            "data_step": host.train_state.data_step,
             "monitors": to_cpu(self.suite.state_dict()),
             "fault": self.injector.snapshot_state() if self.injector else None,
         }
-        snap = Snapshot(pl_module.train_state.model_step, state)
+        snap = Snapshot(host.train_state.model_step, state)
         self.ring.push(snap)
         every = self.cfg.durable_every
         if every and snap.step % every == 0:  # rank 0 the whole state; FSDP: every shard
             d = self.run_dir / "snapshots"
-            self.sharder.write_durable(snap, parts, self.writer, d, pl_module.model, opt)
+            self.sharder.write_durable(snap, parts, self.writer, d, host.model, opt)
 
-    def restore(self, trainer, pl_module, st: dict) -> None:
+    def restore(self, trainer, host, st: dict) -> None:
         """Load a snapshot's state into the live model, optimizer, scheduler, scaler and
         monitors (no remedy, no data seek: that is rollback's business)."""
-        opt, sched, scaler = self._objects(trainer)
-        pl_module.model.load_state_dict(st["model"])  # copies into the parameters
+        opt, scheds, scaler = self._objects(trainer)
+        host.model.load_state_dict(st["model"])  # copies into the parameters
         opt.load_state_dict(st["optimizer"])
         # Optimizer.load_state_dict keeps the snapshot's own tensors wherever no cast or
         # move is needed (every ``step`` counter; on CPU the moments too): the optimizer
@@ -138,51 +140,52 @@ class RollbackController:
             for k, v in per_param.items():
                 if isinstance(v, torch.Tensor) and v.device.type == "cpu":
                     per_param[k] = v.clone()
-        sched.load_state_dict(st["scheduler"])
+        for sched, saved in zip(scheds, st["schedulers"], strict=True):
+            sched.load_state_dict(saved)
         if scaler is not None and st["scaler"] is not None:
             scaler.load_state_dict(st["scaler"])
         self.suite.load_state_dict(st["monitors"])
 
-    def rollback(self, trainer, pl_module, event: Event, last: StepStats | None) -> None:
+    def rollback(self, trainer, host, event: Event, last: StepStats | None) -> None:
         """Restore, remedy and seek for ``event``; or abort. ``last``: the step's stats,
         for a diagnosis."""
 
         def unchanged(rung: str) -> str | None:
-            return get_remedy(rung).unchanged(pl_module.train_state, self.cfg.remedy.get(rung))
+            return get_remedy(rung).unchanged(host.train_state, self.cfg.remedy.get(rung))
 
         # what the fault touched, before the policy asks a rung whether it would change it
-        pl_module.train_state.fault_sites = list(event.extra.get("overflowed", []))
+        host.train_state.fault_sites = list(event.extra.get("overflowed", []))
         decision = self.policy.decide(event, self.ring, unchanged)
         if decision.action == "abort":
-            self.abort(trainer, pl_module, event, decision.reason, last)
+            self.abort(trainer, host, event, decision.reason, last)
         snap, remedy = decision.snapshot, decision.remedy
         st = self.sharder.whole(snap.state)  # sharded: one all-gather rebuilds it
-        self.restore(trainer, pl_module, st)
+        self.restore(trainer, host, st)
         if self.injector is not None and st["fault"] is not None:
             self.injector.on_rollback(st["fault"])
-        pl_module.train_state.model_step, pl_module.train_state.data_step = (
+        host.train_state.model_step, host.train_state.data_step = (
             st["model_step"],
             st["data_step"],
         )
         cls = event.extra.get("class")
-        pl_module.train_state.fault_batches = list(event.extra.get("batches", []))
-        pl_module.train_state.fault_items = list(event.extra.get("items", []))
-        did = get_remedy(remedy).apply(pl_module.train_state, self.cfg.remedy.get(remedy))
+        host.train_state.fault_batches = list(event.extra.get("batches", []))
+        host.train_state.fault_items = list(event.extra.get("items", []))
+        did = get_remedy(remedy).apply(host.train_state, self.cfg.remedy.get(remedy))
         if decision.skipped:  # rungs that would have changed nothing: said, not applied
             did = {**did, "skipped": {r: why for r, why in decision.skipped}}
-        if pl_module.train_state.lr_scale < 1.0:  # a lowered LR's healthy window starts again here
-            pl_module.train_state.lr_since = pl_module.train_state.model_step
+        if host.train_state.lr_scale < 1.0:  # a lowered LR's healthy window starts again here
+            host.train_state.lr_since = host.train_state.model_step
         if cls == "transient":
             self.transients.update(event.extra.get("ranks", []))
             did = {**did, "transients_per_rank": dict(self.transients)}
         if "skipped_batches" in did:
-            self._record_skipped(trainer, pl_module)
+            self._record_skipped(trainer, host)
         if "skipped_items" in did and trainer.is_global_zero:
-            found = [{**it, "step": event.step} for it in pl_module.train_state.fault_items]
+            found = [{**it, "step": event.step} for it in host.train_state.fault_items]
             add_skipped_items(self.run_dir, found)
-        pl_module.apply_lr()  # remedies so far stay applied, on the restored step
-        pl_module.train_state.remedies.append(remedy)
-        pl_module.seek_data(pl_module.train_state.data_step)
+        host.apply_lr()  # remedies so far stay applied, on the restored step
+        host.train_state.remedies.append(remedy)
+        host.seek_data(host.train_state.data_step)
         trainer.optimizers[0].zero_grad(set_to_none=True)
         self.ring.drop_after(snap.step)
         self.sink.emit(
@@ -198,22 +201,24 @@ class RollbackController:
             ),
         )
 
-    def _record_skipped(self, trainer, pl_module) -> None:
+    def _record_skipped(self, trainer, host) -> None:
         """``skipped_batches.json``: every skipped data position with each rank's item
         indices (rank 0 writes it; a resume reads it back, stability callback's setup)."""
         if not trainer.is_global_zero:
             return
-        sampler = pl_module.train_sampler()  # the trainer's own
+        sampler = host.train_sampler()  # the trainer's own
+        if sampler is None:  # positions without item indices: nothing to resume from
+            return
         batches = [
             {
                 "data_step": p,
                 "items": [sampler.batch_for_step(p, r) for r in range(trainer.world_size)],
             }
-            for p in sorted(pl_module.train_state.skipped)
+            for p in sorted(host.train_state.skipped)
         ]
         (self.run_dir / SKIPPED).write_text(json.dumps({"batches": batches}, indent=1))
 
-    def abort(self, trainer, pl_module, event: Event, reason: str, last: StepStats | None):
+    def abort(self, trainer, host, event: Event, reason: str, last: StepStats | None):
         top = sorted(last.act_max.items(), key=lambda kv: -kv[1])[:5] if last else []
         forecast = {k: v for k, v in self.suite.forecast.items() if math.isfinite(v)}
         diagnosis = {
@@ -226,7 +231,7 @@ class RollbackController:
             "act_max_top": top,
             "forecast_steps_left": dict(sorted(forecast.items(), key=lambda kv: kv[1])[:5]),
             "rollbacks": self.policy.history,
-            "remedies": list(pl_module.train_state.remedies),
+            "remedies": list(host.train_state.remedies),
         }
         self.sink.emit(
             trainer,

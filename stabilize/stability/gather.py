@@ -72,9 +72,9 @@ class StepGather:
         return self._consts
 
     def __call__(
-        self, trainer, pl_module, optimizer, probe: StabilityProbe | None, replicas: bool = False
+        self, trainer, host, optimizer, probe: StabilityProbe | None, replicas: bool = False
     ) -> StepStats:
-        dev = pl_module.device
+        dev = host.device
         nan, minus1, no_fp = self._constants(dev)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         scale = scaler_scale(scaler) if scaler is not None else None
@@ -84,26 +84,26 @@ class StepGather:
             per_dev = found_inf_per_device(scaler, optimizer)
             if per_dev:
                 found_inf = sum(v.float().sum() for v in per_dev.values()).reshape(())
-        loss = pl_module.step_loss
+        loss = host.step_loss
         if loss is not None:
             loss = loss.float() if self.accumulate == 1 else loss.float() / self.accumulate
         head = [
             loss if loss is not None else nan,
-            pl_module.grad_total_norm().float().reshape(()),
+            host.grad_total_norm().float().reshape(()),
             scale.float().reshape(()) if scale is not None else minus1,
             found_inf,
         ]
-        fp = fingerprint_chunks(fingerprint(pl_module.parameters())) if replicas else no_fp
+        fp = fingerprint_chunks(fingerprint(host.parameters())) if replicas else no_fp
         if probe is not None:
             # -- per-block gradient norms and update/weight ratios, on log
             # steps, into the probe's own slots (they travel in the step's one vector) --
-            probe.record_params(optimizer, head[1], pl_module.cfg.optim.grad_clip)
-        return self.reduce(trainer, pl_module, head, fp, probe)
+            probe.record_params(optimizer, head[1], host.clip_norm)
+        return self.reduce(trainer, host, head, fp, probe)
 
-    def reduce(self, trainer, pl_module, head, fp, probe) -> StepStats:
+    def reduce(self, trainer, host, head, fp, probe) -> StepStats:
         """``head`` (the four scalars) and ``fp`` (the fingerprint's slots) with the probe's
         buffer, across ranks, to the host once. A replay calls this with its own head."""
-        dev = pl_module.device
+        dev = host.device
         if probe is not None:
             # the probe's buffer has HEAD lead slots for these: the step is one vector
             maxima, _ = probe.vector(dev)
@@ -131,18 +131,18 @@ class StepGather:
             )
         else:
             vec = torch.cat([vec, vec[:nh]])
-        host = vec.cpu().tolist()  # the one host sync of the step
-        rows = host[len(host) - w * nh :]
+        vals = vec.cpu().tolist()  # the one host sync of the step
+        rows = vals[len(vals) - w * nh :]
         self.ranks = [
             (r[0], r[1], join_chunks(r[SCALARS:nh]))
             for r in (rows[i * nh : (i + 1) * nh] for i in range(w))
         ]
-        loss_v, gnorm, sc, inf = host[:SCALARS]
-        counts = host[nh + nm : len(host) - w * nh]
-        named = probe.unpack(host[nh : nh + nm], counts) if probe else {}
+        loss_v, gnorm, sc, inf = vals[:SCALARS]
+        counts = vals[nh + nm : len(vals) - w * nh]
+        named = probe.unpack(vals[nh : nh + nm], counts) if probe else {}
         fps = [r[2] for r in self.ranks]
         return StepStats(
-            step=pl_module.train_state.model_step + 1,
+            step=host.train_state.model_step + 1,
             loss=loss_v,
             grad_norm=gnorm,
             loss_scale=sc if sc >= 0 else None,

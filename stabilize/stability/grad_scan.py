@@ -71,11 +71,15 @@ def _grad(p: nn.Parameter) -> torch.Tensor | None:
     return local if local is not None else g
 
 
-def scan(model: nn.Module, loss_finite: bool = True) -> dict[str, Any]:
+def scan(model: nn.Module, loss_finite: bool = True, view=None) -> dict[str, Any]:
     """The first module in backward order whose gradient is not finite (None: every
     gradient is finite), whether its incoming gradient was (inferred, see above; None where
     the weight is tied and the scan cannot know), the other owners of a tied weight, how
     many modules had one, and each block's gradient norm."""
+    if view is None:  # the probe's, when there is one (view.py)
+        from stabilize.stability.view import view_of
+
+        view = view_of(model)
     first, position, bad, shared = None, 0, 0, []
     held = owners(model)
     norms: dict[str, float] = {}
@@ -84,7 +88,7 @@ def scan(model: nn.Module, loss_finite: bool = True) -> dict[str, Any]:
         if not grads:
             continue
         norm = float(torch.linalg.vector_norm(torch.stack([g.float().norm() for _, g in grads])))
-        block = ".".join(name.split(".")[:2]) if name.startswith("h.") else "other"
+        block = view.block_of(name)
         norms[block] = math.hypot(norms.get(block, 0.0), norm)  # inf and nan stay so
         if not math.isfinite(norm):
             bad += 1

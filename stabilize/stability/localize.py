@@ -103,30 +103,33 @@ class _Trace:
             h.remove()
 
 
-def replay(trainer, pl_module, batches, positions, *, trace: bool = False) -> dict[str, Any]:
+def replay(trainer, host, batches, positions, *, trace: bool = False) -> dict[str, Any]:
     """Forward and backward of ``batches`` (the step's micro-batches, at data positions
     ``positions``) from the live weights, the fault included (a transient one does not fire
     again). Returns the step's head for the gather (mean loss, grad norm after the
     all-reduce, the loss scale, found-inf), each micro-batch's loss, and with ``trace``
     this rank's localization."""
-    model, inj = pl_module.model, pl_module.injector
-    params = list(pl_module.parameters())
+    model, inj = host.model, host.injector
+    params = list(host.parameters())
     saved = [p.grad for p in params]
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scale_t = getattr(scaler, "_scale", None) if scaler is not None else None
     scale = float(scale_t) if scale_t is not None else 1.0
-    step, n = pl_module.train_state.model_step + 1, len(batches)
+    step, n = host.train_state.model_step + 1, len(batches)
     tr = _Trace(model) if trace else None
     losses = []
     try:
         for p in params:
             p.grad = None
-        for (x, y), pos in zip(batches, positions, strict=True):
-            pl_module.seed_dropout(pos)
+        for batch, pos in zip(batches, positions, strict=True):
+            host.seed_dropout(pos)
             if inj is not None:
                 inj.begin(step, pos)
-            with trainer.precision_plugin.forward_context():
-                loss = pl_module.loss((x, y))
+            with trainer.precision_plugin.forward_context(), warnings.catch_warnings():
+                # a module returning a dataclass (Hugging Face's ModelOutput) gets no backward
+                # hook: its children's name the gradient
+                warnings.filterwarnings("ignore", "For backward hooks to be called")
+                loss = host.loss(batch)
             if inj is not None:
                 loss = inj.on_loss(step, loss)
                 inj.arm(step, model)
@@ -149,7 +152,7 @@ def replay(trainer, pl_module, batches, positions, *, trace: bool = False) -> di
             tr.close()
         for p, g in zip(params, saved, strict=True):
             p.grad = g
-    dev = pl_module.device
+    dev = host.device
     finite = torch.isfinite(gnorm)
     head = [
         torch.stack(losses).mean(),
@@ -182,9 +185,9 @@ def first_named(locs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((loc for loc in locs if loc.get("grad_module")), None)
 
 
-def locate(trainer, pl_module, batches, positions) -> dict[str, Any] | None:
+def locate(trainer, host, batches, positions) -> dict[str, Any] | None:
     """The failing step re-run with hooks (its micro-batches, from the live weights: one
     forward and backward), every rank's localization gathered: ``first_named`` of them.
     Every rank must call it (the re-run all-reduces its gradients, as DDP does)."""
-    r = replay(trainer, pl_module, batches, positions, trace=True)
+    r = replay(trainer, host, batches, positions, trace=True)
     return first_named(gather_reports(trainer, r["localization"]))

@@ -24,14 +24,14 @@ from torch import nn
 ROWS = 64  # query rows sampled per sequence for the entropy
 
 
-def param_groups_by_block(model: nn.Module, n_blocks: int) -> tuple[dict[str, list], list[int]]:
-    """{group: [parameters]} for ``h.{i}`` and ``other`` (embeddings, final norm; the tied
-    head once), and each listed parameter's group index, in the order the groups list them."""
-    groups: dict[str, list] = {f"h.{i}": [] for i in range(n_blocks)}
+def param_groups_by_block(model: nn.Module, view) -> tuple[dict[str, list], list[int]]:
+    """{group: [parameters]} per block of ``view`` (a ``ModelView``: ``h.{i}`` on our GPT)
+    and ``other`` (embeddings, final norm; the tied head once), and each listed parameter's
+    group index, in the order the groups list them."""
+    groups: dict[str, list] = {name: [] for name, _ in view.blocks}
     groups["other"] = []
     for name, p in model.named_parameters():  # deduplicated: the tied weight appears once
-        parts = name.split(".")
-        groups[f"h.{parts[1]}" if parts[0] == "h" else "other"].append(p)
+        groups[view.block_of(name)].append(p)
     index = [i for i, ps in enumerate(groups.values()) for _ in ps]
     return groups, index
 

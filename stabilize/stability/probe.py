@@ -35,13 +35,14 @@ from torch import nn
 
 from stabilize.cpu_kernels import absmax_into, head_norm_max
 from stabilize.model.recompute import recomputing
-from stabilize.norms import Norm, get_norm_type
+from stabilize.norms import get_norm_type
 from stabilize.stability.param_stats import (
     block_grad_update_norms,
     lowest_head_entropy,
     param_groups_by_block,
     sampled_queries,
 )
+from stabilize.stability.view import ModelView, view_of
 
 
 class StabilityProbe:
@@ -51,15 +52,18 @@ class StabilityProbe:
     # The per-norm counts after the maxima, in buffer order (StepStats fields)
     COUNTS = ("norm_overflow", "norm_collapsed", "norm_nan_rows")
 
-    def __init__(self, model: nn.Module, lead: int = 0):
-        self.model = model
+    def __init__(self, model: nn.Module | ModelView, lead: int = 0):
+        view = model if isinstance(model, ModelView) else view_of(model)
+        self.view, self.model = view, view.module
+        model = view.module
         self.lead = lead
-        self.blocks = [f"h.{i}" for i in range(len(model.h))]
-        self.norms = [n for n, m in model.named_modules() if isinstance(m, Norm)]
-        self.attn = [f"h.{i}.attn" for i in range(len(model.h))]
+        self.blocks = [name for name, _ in view.blocks]
+        self.norms = [s.name for s in view.norms]
+        self.attn = [a.name if a is not None else f"{b}.attn" for (b, _), a in
+                     zip(view.blocks, view.attn, strict=True)]  # fmt: skip
         nb, na, nn_ = len(self.blocks), len(self.attn), len(self.norms)
         # the per-block parameter groups of the gradient / update norms (param_stats.py)
-        self.param_groups, self._param_index = param_groups_by_block(model, len(model.h))
+        self.param_groups, self._param_index = param_groups_by_block(model, view)
         ng = len(self.param_groups)
         o = lead
         self._o_block, self._o_attn = o, o + nb
@@ -80,29 +84,26 @@ class StabilityProbe:
         self._q: list[torch.Tensor | None] = [None] * na
         self._handles: list = []
         self._attn_handles: list = []  # only on detailed steps (see reset)
-        # the final logits' log Z, every training micro-batch: the loss hands it over
+        # the final logits' log Z, every training micro-batch: our loss hands it over
         # (model.logits.lm_loss's sink), read off its own log-softmax
-        model.logit_softcap.stats_sink = self
+        view.attach_sink(self)
         self.measure_log_z = True  # off: not recorded (scripts/bench_logits.py toggles it)
         self.detailed = False
-        # Pre-norm and sandwich: block i's output is exactly the input of the next norm
-        # (h.{i+1}.ln_1, or ln_f after the last block), which the norm already measures;
-        # reading the same tensor twice would only cost another pass.
-        self._alias: dict[str, str] = {}
-        if model.cfg.norm.placement in ("pre", "sandwich"):
-            for i in range(nb):
-                nxt = f"h.{i + 1}.ln_1" if i + 1 < nb else "ln_f"
-                if nxt in self.norms:
-                    self._alias[self.blocks[i]] = nxt
+        # A block whose output is exactly the input of the next norm, which the norm
+        # already measures (view.aliases): reading the same tensor twice would only cost
+        # another pass.
+        self._alias = dict(view.aliases)
         self._norm_index = {name: j for j, name in enumerate(self.norms)}
-        for i, block in enumerate(model.h):
-            if self.blocks[i] not in self._alias:
+        for i, (name, block) in enumerate(view.blocks):
+            if name not in self._alias:
                 self._handles.append(block.register_forward_hook(self._block_hook(i)))
-        modules = dict(model.named_modules())
-        self.dims = {name: modules[name].dim for name in self.norms}
-        self._norm_modules = [modules[name] for name in self.norms]
-        for j, m in enumerate(self._norm_modules):
-            m.stats_sink, m.stats_index = self, j
+        self.dims = {s.name: s.width for s in view.norms}
+        self._norm_modules = [s.module for s in view.norms if s.reports]
+        for j, site in enumerate(view.norms):
+            if site.reports:
+                site.module.stats_sink, site.module.stats_index = self, j
+            else:  # a norm we did not build: its input, read by a pre-hook
+                self._handles.append(site.module.register_forward_pre_hook(self._norm_hook(j)))
 
     # ---- the step's buffer ------------------------------------------------------------------
     @property
@@ -134,9 +135,13 @@ class StabilityProbe:
         self._q = [None] * len(self.attn)
         self._qs = [None] * len(self.attn)
         if (detailed or self.logged) and not self._attn_handles:
-            for i, block in enumerate(self.model.h):
-                self._attn_handles.append(block.attn.q_norm.register_forward_hook(self._q_hook(i)))
-                self._attn_handles.append(block.attn.k_norm.register_forward_hook(self._k_hook(i)))
+            for i, site in enumerate(self.view.attn):
+                if site is None:
+                    continue
+                self._attn_handles.append(site.q_module.register_forward_hook(self._q_hook(i)))
+                self._attn_handles.append(site.k_module.register_forward_hook(self._k_hook(i)))
+            if self.view.log_z == "head":
+                self._attn_handles.append(self.view.head.register_forward_hook(self._head_hook))
         elif not (detailed or self.logged) and self._attn_handles:
             self._remove(self._attn_handles)
 
@@ -144,28 +149,52 @@ class StabilityProbe:
     def _block_hook(self, i):
         def hook(module, args, out):
             if module.training and self.buf is not None:
-                absmax_into(out, self.buf, self._o_block + i)
+                # a Hugging Face block returns a tuple (hidden states first) in transformers 4
+                absmax_into(out[0] if isinstance(out, tuple) else out, self.buf, self._o_block + i)
 
         return hook
 
+    def _norm_hook(self, j):
+        def hook(module, args):  # a foreign norm's input: it reduces in fp32 (find_norms)
+            if module.training and self.buf is not None and args:
+                absmax_into(args[0], self.buf, self._o_norm + j)
+
+        return hook
+
+    def _head_hook(self, module, args, out):
+        """A foreign model's logits [..., V]: every token's log Z (one logsumexp)."""
+        if module.training and self.buf is not None and not recomputing():
+            with torch.no_grad():
+                self.record_log_z(torch.logsumexp(out.detach().float(), dim=-1).reshape(-1))
+
     def _q_hook(self, i):
-        def hook(module, args, out):  # out: [B, H, T, hd]
+        heads, entropy = self.view.attn[i].heads, self.view.attn[i].entropy
+
+        def hook(module, args, out):  # out: [B, H, T, hd] (``heads`` makes it so)
             if module.training and not recomputing():  # measured once, not again in backward
+                if heads is not None:
+                    out = heads(out, True)
                 with torch.no_grad():
                     if self.detailed:
                         self._q[i] = head_norm_max(out)
-                    if self.logged:
+                    if self.logged and entropy:
                         self._qs[i] = sampled_queries(out)
 
         return hook
 
     def _k_hook(self, i):
+        heads = self.view.attn[i].heads
+
         def hook(module, args, out):
             if not module.training or self.buf is None or recomputing():
                 return
+            if heads is not None:
+                out = heads(out, False)
             with torch.no_grad():
                 if self._q[i] is not None:
-                    kn = head_norm_max(out)  # [H]
+                    kn = head_norm_max(out)  # [H_kv]
+                    if kn.numel() != self._q[i].numel():  # grouped queries share a key head
+                        kn = kn.repeat_interleave(self._q[i].numel() // kn.numel())
                     v = (self._q[i] * kn).amax() / math.sqrt(out.shape[-1])
                     k = self._o_attn + i
                     self.buf[k] = torch.maximum(self.buf[k], v)
@@ -305,8 +334,7 @@ class StabilityProbe:
         """Detach from the model: hooks removed, the norms stop reporting."""
         self._remove(self._handles)
         self._remove(self._attn_handles)
-        if self.model.logit_softcap.stats_sink is self:
-            self.model.logit_softcap.stats_sink = None
+        self.view.detach_sink(self)
         for m in self._norm_modules:
             if m.stats_sink is self:
                 m.stats_sink, m.stats_index = None, -1

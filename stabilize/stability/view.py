@@ -1,0 +1,158 @@
+"""What the probe watches on a model: the ``ModelView`` (docs/design-your-model.md section 3).
+
+The probe (probe.py), the gradient scan (grad_scan.py) and the per-block parameter groups
+(param_stats.py) ask a view, never the model's own attribute names:
+
+- ``blocks``: the residual blocks, ``(name, module)`` in order (the series ``act_max/<name>``);
+- ``norms``: every normalization module, ``NormSite`` (name, module, width, whether it
+  reports its own statistic: our zoo ``Norm`` calls ``record_norm`` from its forward; any
+  other norm is read by a forward pre-hook on its input);
+- ``attn``: per block, where its queries and keys come out (``AttnSite``; None: not found);
+- ``aliases``: block -> the norm whose input *is* that block's output (read once, by the norm);
+- ``log_z``: ``"sink"`` (our loss hands the probe its log Z), ``"head"`` (a hook on the output
+  projection's logits, on detailed steps) or None.
+
+``GPTView`` answers for our GPT from its names (``h.{i}``, ``h.{i}.ln_1``, ``ln_f``,
+``h.{i}.attn``: the series keep the names they always had); ``ForeignView`` for any other
+model from ``inspect_model`` (its module paths: ``transformer.h.0``,
+``model.layers.0.input_layernorm``). ``view_of(model)`` picks one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from stabilize.model.foreign import QKSource, inspect_model
+from stabilize.norms import Norm
+
+
+@dataclass(frozen=True)
+class NormSite:
+    name: str
+    module: nn.Module
+    width: int
+    reports: bool
+    """A zoo ``Norm``: it hands its input and statistic to the probe itself."""
+
+
+@dataclass(frozen=True)
+class AttnSite:
+    """Block i's attention: ``q_module`` / ``k_module`` outputs, made [B, H, T, hd] by
+    ``heads`` (None: they already are)."""
+
+    name: str
+    q_module: nn.Module
+    k_module: nn.Module
+    heads: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
+    """(a module's output, is it q) -> [B, H, T, hd]."""
+    entropy: bool = True
+    """The lowest head entropy is measured: q and k are the ones the softmax sees. Off on a
+    model we did not build: its q / k may be rotated (RoPE) after these modules."""
+
+
+@dataclass
+class ModelView:
+    module: nn.Module
+    blocks: list[tuple[str, nn.Module]]
+    norms: list[NormSite]
+    attn: list[AttnSite | None]
+    aliases: dict[str, str] = field(default_factory=dict)
+    log_z: str | None = None
+    head: nn.Module | None = None
+    """The output projection (``log_z == "head"``: its logits are read)."""
+
+    def block_of(self, param_name: str) -> str:
+        """The block a parameter (or module) path belongs to, else ``other``."""
+        for name, _ in self.blocks:
+            if param_name == name or param_name.startswith(name + "."):
+                return name
+        return "other"
+
+    # the log-Z sink of our GPT's loss (model.logits.lm_loss)
+    def attach_sink(self, probe) -> None:
+        if self.log_z == "sink":
+            self.module.logit_softcap.stats_sink = probe
+
+    def detach_sink(self, probe) -> None:
+        if self.log_z == "sink" and self.module.logit_softcap.stats_sink is probe:
+            self.module.logit_softcap.stats_sink = None
+
+
+def _is_gpt(model: nn.Module) -> bool:
+    from stabilize.model import GPT
+
+    return isinstance(model, GPT)
+
+
+def gpt_view(model: nn.Module) -> ModelView:
+    """Our GPT, by its own names (the series and the report keep them)."""
+    n = len(model.h)
+    blocks = [(f"h.{i}", b) for i, b in enumerate(model.h)]
+    norms = [
+        NormSite(name, m, m.dim, True) for name, m in model.named_modules() if isinstance(m, Norm)
+    ]
+    attn = [AttnSite(f"h.{i}.attn", b.attn.q_norm, b.attn.k_norm) for i, b in enumerate(model.h)]
+    # Pre-norm and sandwich: block i's output is exactly the input of the next norm
+    # (h.{i+1}.ln_1, or ln_f after the last block), which the norm already measures.
+    aliases: dict[str, str] = {}
+    names = {s.name for s in norms}
+    if model.cfg.norm.placement in ("pre", "sandwich"):
+        for i in range(n):
+            nxt = f"h.{i + 1}.ln_1" if i + 1 < n else "ln_f"
+            if nxt in names:
+                aliases[f"h.{i}"] = nxt
+    return ModelView(model, blocks, norms, attn, aliases, log_z="sink")
+
+
+def _head_dim(block: nn.Module) -> int | None:
+    """The attention's per-head width, from the attributes Hugging Face and most
+    implementations set (``head_dim``; else width / heads)."""
+    for m in block.modules():
+        hd = getattr(m, "head_dim", None)
+        if isinstance(hd, int) and hd > 0:
+            return hd
+        for heads in ("num_heads", "n_head", "num_attention_heads"):
+            h, d = getattr(m, heads, None), getattr(m, "embed_dim", None)
+            if isinstance(h, int) and isinstance(d, int) and h > 0 and d % h == 0:
+                return d // h
+    return None
+
+
+def _heads(src: QKSource, hd: int):
+    def split(out: torch.Tensor, is_q: bool) -> torch.Tensor:
+        cols = src.q_cols if is_q else src.k_cols
+        if cols is not None:
+            out = out[..., cols[0] : cols[1]]
+        b, t, c = out.shape
+        return out.view(b, t, c // hd, hd).transpose(1, 2)  # [B, H, T, hd], a strided view
+
+    return split
+
+
+def foreign_view(model: nn.Module, blocks: str | None = None) -> ModelView:
+    """Any other model, by discovery (``inspect_model``; ``blocks``: a glob over paths)."""
+    found = inspect_model(model, blocks=blocks)
+    norms = [NormSite(n.name, n.module, n.width, isinstance(n.module, Norm)) for n in found.norms]
+    attn: list[AttnSite | None] = []
+    for (name, block), src in zip(found.blocks, found.qk, strict=True):
+        hd = _head_dim(block)
+        if src is None or hd is None:
+            attn.append(None)
+            continue
+        attn.append(
+            AttnSite(f"{name}.attn", src.q_module, src.k_module, _heads(src, hd), entropy=False)
+        )
+    head = found.head[1] if found.head else None
+    return ModelView(
+        model, list(found.blocks), norms, attn, log_z="head" if head is not None else None,
+        head=head,
+    )  # fmt: skip
+
+
+def view_of(model: nn.Module, blocks: str | None = None) -> ModelView:
+    """``GPTView`` for our GPT, ``ForeignView`` for any other model."""
+    return gpt_view(model) if _is_gpt(model) and blocks is None else foreign_view(model, blocks)

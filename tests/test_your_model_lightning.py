@@ -1,0 +1,129 @@
+"""Issue 36, "Done when" 1: a user's LightningModule around Hugging Face's GPT2LMHeadModel
+(tests/your_lm.py: no stabilize import) trains under ``stabilize.StabilityCallback`` on a
+real Trainer. A transient NaN planted in block 1 at step 6 is rolled back and the run ends
+at its max_steps with a healthy loss; a NaN planted by content recurs. Each bundle is
+replayed by ``stabilize-replay`` in a fresh process, which rebuilds the module from its
+import path and saved hyperparameters."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+import stabilize
+
+pytest.importorskip("transformers")
+
+from your_lm import GPT2LM, loader  # noqa: E402
+
+HERE = Path(__file__).parent
+STEPS = 12
+
+
+def _fit(tmp_path: Path, module, data, **kw):
+    cb = stabilize.StabilityCallback(rollback={"snapshot_every": 2}, run_dir=tmp_path / "run", **kw)
+    trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb],
+                        default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(module, data)
+    return cb, trainer
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def _replay(bundle: Path) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "stabilize-replay"
+    env = {**os.environ, "PYTHONPATH": str(HERE)}  # where your_lm lives, as a user's package
+    return subprocess.run([str(exe), str(bundle)], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+
+
+def _first_loss(tmp_path: Path) -> float:
+    """Step 1's loss of the same model and data, no fault (the healthy reference)."""
+    torch.manual_seed(0)
+    m = GPT2LM()
+    x, y = next(iter(loader()))
+    with torch.no_grad():
+        logits = m.model(input_ids=x).logits
+        return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+
+
+def test_a_transient_nan_in_block_1_is_rolled_back_and_its_bundle_does_not_reproduce(tmp_path):
+    torch.manual_seed(0)
+    module = GPT2LM()
+    forwards = []
+
+    def plant(block, args, out):  # the 6th training forward is step 6's; once
+        if not block.training:
+            return None
+        forwards.append(1)
+        if len(forwards) != 6:
+            return None
+        h = (out[0] if isinstance(out, tuple) else out).clone()
+        h[0, 3, 5] = float("nan")
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+    module.model.transformer.h[1].register_forward_hook(plant)
+    cb, trainer = _fit(tmp_path, module, loader())
+    run = tmp_path / "run"
+    events = _events(run)
+    faults = [e for e in events if e["kind"] == "rollback" and e["monitor"] != "rollback"]
+    rolled = [e for e in events if e["monitor"] == "rollback"]
+    assert [e["step"] for e in faults] == [6], events
+    assert faults[0]["extra"]["class"] == "transient"
+    # the step's re-run (the hook fires once) was finite: that is what made it transient
+    assert math.isfinite(faults[0]["extra"]["replay"]["loss"])
+    assert faults[0]["extra"]["localization"][0]["note"] == "the forward was finite"
+    assert len(rolled) == 1 and rolled[0]["extra"]["restored_step"] == 4
+    assert cb.host.train_state.model_step == STEPS  # the model's budget, not Lightning's
+    assert trainer.global_step > STEPS  # Lightning counted the undone steps too
+    assert math.isfinite(cb.last.loss) and cb.last.loss < _first_loss(tmp_path) - 0.5
+    r = _replay(run / "bundles" / "step-000006-nonfinite")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "reproduces: no" in r.stdout
+    assert "forward: finite" in r.stdout  # the planted hook is not part of the module
+
+
+def test_a_nan_planted_by_content_is_found_again_and_its_bundle_reproduces(tmp_path):
+    torch.manual_seed(0)
+    module = GPT2LM(poison_token=255)
+    # sequence 44 is in batch 5 (8 per batch): step 6's, once in the run's 14 batches of 16
+    cb, _ = _fit(tmp_path, module, loader(poison_at=[44]))
+    run = tmp_path / "run"
+    faults = [e for e in _events(run) if e["kind"] == "rollback" and e["monitor"] != "rollback"]
+    assert [e["step"] for e in faults] == [6]
+    # the same batch fails again from the same weights, the step before's does not
+    assert faults[0]["extra"]["class"] == "data"
+    assert cb.host.train_state.model_step == STEPS and math.isfinite(cb.last.loss)
+    meta = json.loads((run / "bundles" / "step-000006-nonfinite" / "meta.json").read_text())
+    assert meta["host"]["module"] == "your_lm:GPT2LM"
+    assert meta["host"]["hparams"]["poison_token"] == 255
+    r = _replay(run / "bundles" / "step-000006-nonfinite")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "reproduces: yes" in r.stdout
+    assert "first non-finite output in transformer.wte" in r.stdout
+
+
+def test_a_bundle_whose_module_cannot_be_rebuilt_is_refused_in_one_line(tmp_path):
+    torch.manual_seed(0)
+    _fit(tmp_path, GPT2LM(poison_token=255), loader(poison_at=[44]))
+    bundle = tmp_path / "run" / "bundles" / "step-000006-nonfinite"
+    exe = Path(sys.executable).parent / "stabilize-replay"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # your_lm not importable
+    r = subprocess.run([str(exe), str(bundle)], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=300)  # fmt: skip
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot rebuild the module" in lines[0]
+    assert "your_lm:GPT2LM" in lines[0] and "No module named 'your_lm'" in lines[0]
