@@ -217,6 +217,8 @@ class Guard:
     def before_step(self, loss: torch.Tensor) -> Verdict:
         """After the backward, before the optimizer step: judge it (see the module doc)."""
         host, loop, cb = self.host, self.loop, self.cb
+        if self._batch_idx == 0:  # the precision is known once the first forward ran
+            cb.write_run_info(loop)
         host.saw_loss(loss)
         if self.scaler is not None and self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)
@@ -257,7 +259,7 @@ class Guard:
             return
         self._closed = True
         self._finish()
-        self.cb.on_train_end(self.loop, self.host)
+        self.cb.on_train_end(self.loop, self.host)  # and result.json
         self.cb.teardown(self.loop, self.host, "fit")
         for lg in self.loop.loggers:
             lg.save()

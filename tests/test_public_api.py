@@ -51,3 +51,25 @@ def test_the_exported_names_are_the_modules_own():
     assert stabilize.__version__ == version("stabilize")
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         stabilize.nope  # noqa: B018
+
+
+def test_the_entry_points_signatures_are_pinned():
+    """A change to these is a change to the public API (docs/your-model.md): it must be
+    made here, in the docs and in the version together."""
+    import inspect
+
+    def params(f):
+        return [(p.name, p.kind.name) for p in inspect.signature(f).parameters.values()]
+
+    pos, kw = "POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY"
+    assert params(stabilize.StabilityCallback.__init__) == [
+        ("self", pos), ("monitor", pos), ("rollback", pos), ("fault", pos), ("run_dir", pos),
+        ("accumulate", pos), ("model", kw), ("blocks", kw), ("skip_items", kw), ("factory", kw),
+    ]  # fmt: skip
+    assert params(stabilize.Guard.__init__) == [
+        ("self", pos), ("model", pos), ("optimizer", pos), ("scaler", pos), ("scheduler", kw),
+        ("run_dir", kw), ("loss_fn", kw), ("factory", kw), ("clip", kw), ("monitor", kw),
+        ("rollback", kw), ("fault", kw), ("log_every", kw), ("blocks", kw),
+    ]  # fmt: skip
+    assert [p for p, _ in params(stabilize.Guard.before_step)] == ["self", "loss"]
+    assert set(stabilize.Verdict.__dataclass_fields__) == {"apply", "step", "loss", "events"}

@@ -89,6 +89,13 @@ def test_guard_counts_fp16_overflow_exactly_and_bisect_names_the_norms(tmp_path)
         if step == STEPS:
             break
     guard.close()
+    # stabilize-report reads the Guard's run dir as it reads ours
+    from stabilize.report import main as report_main
+
+    assert report_main([str(run)]) == 0
+    (arm,) = json.loads((run / "report" / "summary.json").read_text())
+    assert (arm["precision"], arm["reduction"], arm["status"]) == ("fp16-mixed", "fp16", "done")
+    assert arm["first_overflow"] == next(i for i, s in enumerate(seen) if sum(s.values())) + 1
     # before the drift none, after it some rows of some norms but not all (the counts tell
     # rows apart), rows near the line included (they agreed too)
     assert sum(seen[0].values()) == 0 and sum(seen[-1].values()) > 0

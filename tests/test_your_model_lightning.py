@@ -127,3 +127,27 @@ def test_a_bundle_whose_module_cannot_be_rebuilt_is_refused_in_one_line(tmp_path
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot rebuild the module" in lines[0]
     assert "your_lm:GPT2LM" in lines[0] and "No module named 'your_lm'" in lines[0]
+
+
+def test_a_resumed_run_goes_on_from_its_model_step(tmp_path):
+    """Lightning's checkpoint carries the callback's state: the model steps (and data
+    position) of a module we did not write continue from where the first launch stopped,
+    and the model's budget still counts model steps."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(max_steps, ckpt=None):
+        torch.manual_seed(0)
+        cb = stabilize.StabilityCallback(run_dir=tmp_path / "run")
+        saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[cb, saver], default_root_dir=tmp_path)  # fmt: skip
+        trainer.fit(GPT2LM(), loader(), ckpt_path=ckpt)
+        return cb, trainer
+
+    cb, _ = fit(5)
+    assert cb.host.train_state.model_step == 5
+    cb2, trainer2 = fit(9, str(tmp_path / "ckpt" / "last.ckpt"))
+    assert cb2.host.train_state.model_step == 9
+    assert cb2.host.train_state.data_step == 9  # 9 micro-batches trained on, in all
+    assert trainer2.global_step == 9

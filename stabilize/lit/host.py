@@ -209,6 +209,15 @@ class LightningHost:
             self._last = (list(batches), list(positions))
         return True
 
+    # ---- checkpoints (the callback's state) ---------------------------------------------------
+    def saved(self) -> dict[str, Any]:
+        return {"train_state": self.train_state.state_dict(), "consumed": self._consumed}
+
+    def load(self, state: dict[str, Any]) -> None:
+        """A resumed run goes on from the saved model step and data position."""
+        self.train_state.load_state_dict(state["train_state"], 0.0)
+        self._consumed = int(state["consumed"])
+
     # ---- the core's requests ------------------------------------------------------------------
     def grad_total_norm(self) -> torch.Tensor:
         step = self.train_state.data_step

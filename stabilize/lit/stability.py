@@ -11,6 +11,8 @@ decision: warn, snapshot, roll back with a remedy, or abort with a diagnosis.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,6 +42,7 @@ from stabilize.stability.classify import LOCALIZED, Classifier
 from stabilize.stability.console import GAP
 from stabilize.stability.controller import (
     RollbackController,
+    StabilityAbort,
     load_skipped,
     load_skipped_items,
 )
@@ -47,7 +50,7 @@ from stabilize.stability.gather import HEAD, StepGather
 from stabilize.stability.localize import first_named, locate
 from stabilize.stability.probe import StabilityProbe
 from stabilize.stability.sink import EventSink
-from stabilize.stability.view import view_of
+from stabilize.stability.view import norm_summary, view_of
 from stabilize.validate import build_dataclass
 
 
@@ -207,6 +210,7 @@ class StabilityCallback(L.Callback):
                     "StabilityCallback watches a module with exactly one"
                 )
             self.host.start()
+            self.write_run_info(trainer)
         self.injector.bind_data(self.host.train_dataset())
         if self.rollback_on:
             self._snapshot(trainer, self.host)  # a floor to return to, before any step
@@ -214,6 +218,8 @@ class StabilityCallback(L.Callback):
     def on_train_end(self, trainer, pl_module):
         self.sink.close(trainer)
         self.writer.wait()  # the last durable snapshot is on disk before fit returns
+        if self._driven:
+            self._write_result(trainer, "done")
 
     def on_exception(self, trainer, pl_module, exception):
         # an abort or a crash: the durable snapshot in flight is still written (it predates
@@ -223,6 +229,34 @@ class StabilityCallback(L.Callback):
             self.writer.close()
         except Exception as e:  # noqa: BLE001  (the training error is the one to report)
             rank_zero_info(f"[stability] the durable snapshot in flight failed too: {e!r}")
+        if self._driven:
+            aborted = isinstance(exception, StabilityAbort)
+            self._write_result(trainer, "aborted" if aborted else "failed", repr(exception))
+
+    # ---- what a run dir holds for stabilize-report, for a loop that is not stabilize-train's
+    def write_run_info(self, trainer) -> None:
+        """``config.json``: the settings, the precision and the norms' reduction as the
+        report's table reads them, and how the module is rebuilt (rank 0)."""
+        if trainer.is_global_zero:
+            info = {
+                "precision": {"name": self.host.precision_name},
+                "norm": norm_summary(self.host.model),
+                "monitor": self.mcfg.to_dict(),
+                "rollback": dataclasses.asdict(self.rcfg),
+                "fault": dataclasses.asdict(self.fcfg),
+                "host": self.host.host_info(),
+            }
+            text = json.dumps(info, indent=1, default=str)
+            (self.run_dir / "config.json").write_text(text)
+
+    def _write_result(self, trainer, status: str, error: str | None = None) -> None:
+        """``result.json``: how the run ended and at which steps (rank 0)."""
+        if trainer.is_global_zero:
+            ts = self.host.train_state
+            result = {"status": status, "model_step": ts.model_step,
+                      "global_step": trainer.global_step, "error": error,
+                      "remedies": list(ts.remedies)}  # fmt: skip
+            (self.run_dir / "result.json").write_text(json.dumps(result, indent=2))
 
     def teardown(self, trainer, pl_module, stage):
         self.writer.close()
@@ -412,6 +446,8 @@ class StabilityCallback(L.Callback):
             "counts": dict(self.counts),
             "fault": self.injector.state_dict() if self.injector else None,
             "transients": dict(self.controller.transients),
+            # a module we did not write: its model steps and data position are ours to keep
+            "host": self.host.saved() if self._driven else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -420,5 +456,8 @@ class StabilityCallback(L.Callback):
         self.counts.update(state["counts"])
         self.controller.transients.update(state.get("transients", {}))
         self._fault_state = state.get("fault")
+        self._host_state = state.get("host")
+        if self._driven and self._host_state:  # Lightning restores after setup
+            self.host.load(self._host_state)
         if self.injector is not None and self._fault_state:  # Lightning restores after setup
             self.injector.load_state_dict(self._fault_state)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -156,3 +157,21 @@ def foreign_view(model: nn.Module, blocks: str | None = None) -> ModelView:
 def view_of(model: nn.Module, blocks: str | None = None) -> ModelView:
     """``GPTView`` for our GPT, ``ForeignView`` for any other model."""
     return gpt_view(model) if _is_gpt(model) and blocks is None else foreign_view(model, blocks)
+
+
+def norm_summary(model: nn.Module) -> dict[str, Any]:
+    """The norms' ``reduction_dtype`` and ``eps`` as one value each where they agree
+    (``mixed`` where they do not; ``eps`` None), ``type`` likewise: the report's columns."""
+    from stabilize.norms.surgery import find_norms
+
+    found = find_norms(model)
+
+    def one(values: set) -> Any:
+        return next(iter(values)) if len(values) == 1 else "mixed" if values else None
+
+    eps = {n.eps for n in found}
+    return {
+        "type": one({n.kind for n in found}),
+        "reduction_dtype": one({n.reduction_dtype or "?" for n in found}),
+        "eps": next(iter(eps)) if len(eps) == 1 else None,
+    }
