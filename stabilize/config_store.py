@@ -78,7 +78,7 @@ def nodes() -> dict[str, dict[str, Any]]:
     """Every base node, by name, built from the dataclasses and the live registries."""
     from stabilize.data.config import DataConfig
     from stabilize.faults.config import FAULTS
-    from stabilize.model.config import GPTConfig
+    from stabilize.model.config import GPTConfig, HFConfig
     from stabilize.monitors import MonitorConfig
     from stabilize.norms.config import NormConfig
     from stabilize.rollback import REMEDIES, RollbackConfig
@@ -97,6 +97,7 @@ def nodes() -> dict[str, dict[str, Any]]:
     for group, cls in classes.items():
         out[f"base_{group}"] = defaults(cls)
     del out["base_model"]["norm"]  # the norm is its own group
+    out["base_model_hf"] = defaults(HFConfig)  # model=hf's section (configs/model/hf.yaml)
     out["base_monitor"] = MonitorConfig().to_dict()
     remedy = {name: defaults(REMEDIES.config(name)) for name in REMEDIES.configured()}
     out["base_rollback"] = {**defaults(RollbackConfig), "remedy": remedy}

@@ -90,6 +90,10 @@ COMMANDS: dict[str, str] = {
     "hf-extra": ".venv/bin/pip install -q -e '.[hf]'",
     "replay-mylm": "stabilize-replay runs/mylm/bundles/step-000006-nonfinite",
     "bisect-guard": "stabilize-replay --bisect runs/guard/bundles/step-000005-activation",
+    "train-hf": "stabilize-train model=hf norm.reduction_dtype=fp16 precision=fp16-mixed "
+    "trainer.max_steps=20",
+    "scenario-hf": "scripts/repro_nan.sh --arms reference,baseline --reference-seeds 2 -- "
+    "model=hf model.hf.arch=llama",
 }
 
 # What cannot run here, and why: these are composed (their Hydra overrides built into a

@@ -48,7 +48,9 @@ def defaults(cls) -> dict:
 
 
 def _model(option):
-    return {k: v for k, v in asdict(GPTConfig.preset(option)).items() if k != "norm"}
+    # model=hf: the default sizes (the tiny preset's) as a Hugging Face architecture
+    cfg = GPTConfig(name="hf", hf={}) if option == "hf" else GPTConfig.preset(option)
+    return {k: v for k, v in asdict(cfg).items() if k != "norm"}
 
 
 def _rollback(enabled: bool) -> dict:
@@ -150,15 +152,17 @@ def test_no_file_repeats_a_default_and_every_key_is_a_setting(group, option):
         values.pop("hydra")
         assert listed[:2] == ["base_run", "_self_"]
     else:  # the dataclass's defaults first (or another option of the group), then its own
-        assert listed in ([f"/base_{group}@_here_", "_self_"], ["default", "_self_"]) or (
-            group == "fault" and listed == [f"/base_fault_{values['kind']}@_here_", "_self_"]
+        assert (
+            listed in ([f"/base_{group}@_here_", "_self_"], ["default", "_self_"])
+            or (group == "fault" and listed == [f"/base_fault_{values['kind']}@_here_", "_self_"])
+            or (option == "hf" and listed == ["/base_model@_here_", "/base_model_hf@hf", "_self_"])
         ), listed
     bad = repeats(values, own_default(group, values), group or "train", NAMES.get(group))
     assert not bad, f"{path.relative_to(CONFIGS.parent)}: " + "; ".join(bad)
 
 
 def test_every_preset_and_registered_name_has_a_config_file_and_back():
-    assert {p.stem for p in (CONFIGS / "model").glob("*.yaml")} == set(PRESETS)
+    assert {p.stem for p in (CONFIGS / "model").glob("*.yaml")} == {*PRESETS, "hf"}
     assert {p.stem for p in (CONFIGS / "norm").glob("*.yaml")} >= set(NORM_TYPES)
 
 

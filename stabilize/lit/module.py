@@ -32,7 +32,7 @@ from stabilize.compat import scaler_scale, uncount_batch
 from stabilize.data import bits_per_byte, build_dataloaders, share_skips
 from stabilize.lit.fsdp import full_norm, shard_model
 from stabilize.lit.saved_state import restore_state, saved_state
-from stabilize.model import GPT, set_activation_checkpointing
+from stabilize.model import build_model, set_activation_checkpointing
 from stabilize.model.logits import lm_loss
 from stabilize.norms import Norm
 from stabilize.rollback.remedies import lr_scale_at
@@ -83,7 +83,7 @@ class GPTLitModule(L.LightningModule):
     def __init__(self, cfg: RunConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = GPT(cfg.model)
+        self.model = build_model(cfg.model)  # our GPT, or model=hf's architecture
         # the state the harness owns beside Lightning's (model/data step, LR scale, remedies,
         # skipped positions): shared with the stability callback, the rollback and the
         # remedies, and saved in checkpoints (rollback/state.py)

@@ -37,6 +37,7 @@ from stabilize.run.rundir import (
     unlock,
 )
 from stabilize.stability import StabilityAbort
+from stabilize.stability.view import norm_summary
 
 
 def _rank() -> int:
@@ -133,14 +134,26 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
     }
 
 
+def _arch(m) -> str:
+    return "GPT" if m.hf is None else {"llama": "Llama", "gpt2": "GPT-2"}[m.hf.arch]
+
+
+def _norm_type(m, module) -> str:
+    """The norms' type: the group's, or a Hugging Face model's own kind(s) (norm_type=arch)."""
+    if m.hf is None or m.hf.norm_type == "group":
+        return m.norm.type
+    return str(norm_summary(module.model)["type"])
+
+
 def describe(cfg: RunConfig, module: GPTLitModule, ckpt: str | None) -> str:
     """The run in one line (in place of Lightning's model summary table)."""
     m, n = cfg.model, cfg.model.norm
     params = sum(p.numel() for p in module.model.parameters())
     start = f"resuming {ckpt}" if ckpt else f"{cfg.trainer.max_steps} steps"
     return (
-        f"stabilize-train: {m.name} GPT ({params:,} parameters, {m.n_layer} layers x "
-        f"{m.d_model}), {n.type} {n.placement} eps {n.eps:g} reduction {n.reduction_dtype}, "
+        f"stabilize-train: {m.name} {_arch(m)} ({params:,} parameters, {m.n_layer} layers x "
+        f"{m.d_model}), {_norm_type(m, module)} {n.placement} eps {n.eps:g} reduction "
+        f"{n.reduction_dtype}, "
         f"{cfg.precision.name} on {resolve_accelerator(cfg.trainer.accelerator)}; {start} "
         f"-> {cfg.run_dir}"
     )

@@ -33,6 +33,28 @@ PUBLISHED_PARAMS = {
 
 
 SITE_KEYS = ("reduction_dtype", "eps")  # what model.norm_sites may set per norm
+HF_ARCHS = ("llama", "gpt2")
+HF_NORM_TYPES = ("arch", "group")
+
+
+@dataclass
+class HFConfig:
+    """``model.hf`` (``model=hf``): a Hugging Face architecture built from our ``model``
+    keys (stabilize/model/hf_arch.py, docs/your-model.md)."""
+
+    arch: str = "llama"
+    """llama (RoPE, SwiGLU, RMSNorm, no biases) | gpt2."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Hugging Face config keys we do not have (``num_key_value_heads``,
+    ``tie_word_embeddings``, ...); one our keys set is refused."""
+    norm_type: str = "arch"
+    """arch: each norm keeps its kind (Llama's RMSNorm, GPT-2's LayerNorm) with the ``norm``
+    group's eps, reduction dtype and backend; group: the ``norm`` group's type too."""
+
+    def __post_init__(self) -> None:
+        check_choice("model.hf.arch", self.arch, HF_ARCHS)
+        check_choice("model.hf.norm_type", self.norm_type, HF_NORM_TYPES)
+        self.config = dict(self.config or {})
 
 
 @dataclass
@@ -59,6 +81,8 @@ class GPTConfig:
     logit_softcap: float = 0.0
     """Gemma 2's soft cap: logits -> cap * tanh(logits / cap); 0: off."""
     norm: NormConfig = field(default_factory=NormConfig)
+    hf: HFConfig | None = None
+    """A Hugging Face architecture instead of our GPT (``model=hf``); None: our GPT."""
     norm_sites: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per-norm settings over ``norm``'s: module name -> {reduction_dtype, eps}, e.g.
     {h.1.ln_2: {reduction_dtype: fp32}} (``stabilize-replay --bisect`` prints one)."""
@@ -79,10 +103,46 @@ class GPTConfig:
         check_range("model.z_loss", self.z_loss, 0.0, float("inf"))
         check_range("model.logit_softcap", self.logit_softcap, 0.0, float("inf"))
         check_choice("model.activation", self.activation, ACTIVATIONS)
+        if self.hf is not None:
+            self._check_hf()
         self.norm_sites = {str(k): dict(v or {}) for k, v in dict(self.norm_sites or {}).items()}
         for site, kv in self.norm_sites.items():
             for k in kv:
                 check_choice(f"model.norm_sites.{site}", k, SITE_KEYS)
+
+    def _check_hf(self) -> None:
+        """``model.hf``: its keys, and what a Hugging Face architecture cannot honour."""
+        self.hf = build_dataclass(HFConfig, self.hf, "model.hf")
+        from stabilize.model.hf_arch import hf_config_keys
+
+        ours = set(hf_config_keys(self))
+        for key in self.hf.config:
+            if key in ours:
+                raise ValueError(
+                    f"model.hf.config.{key} is not allowed: our model keys set it (model."
+                    "vocab_size, block_size, n_layer, d_model, n_head, mlp_ratio, dropout, "
+                    f"init_std, norm.eps); allowed: any other key of the {self.hf.arch} config"
+                )
+        n = self.norm
+        if self.hf.arch == "gpt2" and self.hf.norm_type == "group":
+            from stabilize.norms.registry import get_norm_type
+
+            if not get_norm_type(n.type).has_bias:  # GPT-2's LayerNorms carry a bias
+                raise ValueError(
+                    f"norm.type={n.type!r} is not allowed with model.hf.arch=gpt2 "
+                    "model.hf.norm_type=group: GPT-2's LayerNorms have a bias and "
+                    f"{n.type} has none; allowed: a type with a bias, or model.hf.norm_type=arch"
+                )
+        for key, value, want in (("norm.placement", n.placement, "pre"),
+                                 ("norm.embed_norm", n.embed_norm, False),
+                                 ("norm.qk_norm", n.qk_norm, False),
+                                 ("norm.final_norm", n.final_norm, True),
+                                 ("model.logit_softcap", self.logit_softcap, 0.0)):  # fmt: skip
+            if value != want:
+                raise ValueError(
+                    f"{key}={value!r} is not allowed with model=hf ({self.hf.arch} is built "
+                    f"as Hugging Face does); allowed: {want!r}"
+                )
 
     @property
     def head_dim(self) -> int:

@@ -148,10 +148,10 @@ def foreign_view(model: nn.Module, blocks: str | None = None) -> ModelView:
             AttnSite(f"{name}.attn", src.q_module, src.k_module, _heads(src, hd), entropy=False)
         )
     head = found.head[1] if found.head else None
-    return ModelView(
-        model, list(found.blocks), norms, attn, log_z="head" if head is not None else None,
-        head=head,
-    )  # fmt: skip
+    # model=hf's model hands its loss's log Z over as ours does (model/hf_arch.py)
+    sink = getattr(getattr(model, "logit_softcap", None), "stats_sink", False) is not False
+    log_z = "sink" if sink else "head" if head is not None else None
+    return ModelView(model, list(found.blocks), norms, attn, log_z=log_z, head=head)
 
 
 def view_of(model: nn.Module, blocks: str | None = None) -> ModelView:

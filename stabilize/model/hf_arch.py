@@ -1,0 +1,115 @@
+"""Hugging Face architectures in ``stabilize-train`` (``model=hf``; issue 36, design section 7).
+
+``build_hf(cfg)`` makes a ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` from the run's own
+``model`` keys (``vocab_size``, ``block_size``, ``n_layer``, ``d_model``, ``n_head``,
+``mlp_ratio``, ``dropout``, ``init_std``; ``model.hf.config`` for the keys we do not have,
+e.g. ``num_key_value_heads``), from a config: nothing is downloaded. Its norms are swapped
+for ours (``swap_norms``: the same Parameters) with the ``norm`` group's eps, reduction
+dtype and backend, each keeping its own kind (``model.hf.norm_type=arch``, the default) or
+taking the group's (``group``); ``model.norm_sites`` then applies per norm. So the
+scenario's question ("what if this model's norms reduced in fp16") is asked of a Llama.
+
+The model is a subclass of the Hugging Face class whose ``forward(idx)`` returns the
+logits (``use_cache=False``, SDPA attention), with what ``GPTLitModule`` reads of ours:
+``cfg``, ``z_loss``, ``logit_softcap`` (a pass-through whose ``stats_sink`` the loss hands
+each token's log Z), ``num_params``. Module paths stay Hugging Face's
+(``model.layers.0.input_layernorm``). ``transformers`` is the ``hf`` extra.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from stabilize.model.config import GPTConfig
+from stabilize.model.logits import LogitSoftcap
+
+
+def _ours(cfg: GPTConfig) -> dict[str, Any]:
+    """The Hugging Face config keys our ``model`` keys set, per arch."""
+    if cfg.hf.arch == "llama":
+        return {
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model,
+            "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head,
+            "max_position_embeddings": cfg.block_size,
+            # SwiGLU's three matrices at a 4x MLP's parameter count
+            "intermediate_size": cfg.mlp_ratio * cfg.d_model * 2 // 3,
+            "attention_dropout": cfg.dropout,
+            "initializer_range": cfg.init_std,
+            "rms_norm_eps": cfg.norm.eps,
+        }
+    return {
+        "vocab_size": cfg.vocab_size,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_positions": cfg.block_size,
+        "n_inner": cfg.mlp_ratio * cfg.d_model,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "initializer_range": cfg.init_std,
+        "layer_norm_epsilon": cfg.norm.eps,
+        "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+    }
+
+
+def hf_config_keys(cfg: GPTConfig) -> list[str]:
+    """What ``model.hf.config`` may not set: the keys our own ``model`` keys set."""
+    return sorted(_ours(cfg))
+
+
+def _classes(arch: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            "model=hf needs transformers: pip install -e '.[hf]' (docs/your-model.md)"
+        ) from None
+    if arch == "llama":
+        return transformers.LlamaConfig, transformers.LlamaForCausalLM
+    return transformers.GPT2Config, transformers.GPT2LMHeadModel
+
+
+def build_hf(cfg: GPTConfig) -> nn.Module:
+    """The run's Hugging Face model, norms swapped as the ``norm`` group says."""
+    from stabilize.model.gpt import apply_norm_sites
+    from stabilize.norms.surgery import swap_norms
+
+    config_cls, model_cls = _classes(cfg.hf.arch)
+    hf_cfg = config_cls(**_ours(cfg), **cfg.hf.config, attn_implementation="sdpa")
+    model = _causal_lm(model_cls)(hf_cfg)
+    model.cfg = cfg
+    model.z_loss = cfg.z_loss
+    model.logit_softcap = LogitSoftcap(0.0)  # the loss's log Z sink (no cap: refused)
+    kind = cfg.norm.type if cfg.hf.norm_type == "group" else None
+    swap_norms(model, type=kind, eps=cfg.norm.eps, reduction_dtype=cfg.norm.reduction_dtype,
+               backend=cfg.norm.backend)  # fmt: skip
+    apply_norm_sites(model, cfg.norm_sites)
+    return model
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _causal_lm(base: type) -> type:
+    """``base`` whose ``forward(idx)`` returns the logits tensor (one subclass per base)."""
+    if base not in _SUBCLASSES:
+
+        def forward(self, idx: torch.Tensor, **kw) -> torch.Tensor:
+            return base.forward(self, input_ids=idx, use_cache=False, **kw).logits
+
+        def num_params(self, non_embedding: bool = False) -> int:
+            """Parameters (a tied head once); ``non_embedding`` drops a position table."""
+            n = sum(p.numel() for p in self.parameters())
+            wpe = getattr(getattr(self, "transformer", None), "wpe", None)
+            return n - wpe.weight.numel() if non_embedding and wpe is not None else n
+
+        _SUBCLASSES[base] = type(
+            f"Stabilize{base.__name__}", (base,), {"forward": forward, "num_params": num_params}
+        )
+    return _SUBCLASSES[base]
