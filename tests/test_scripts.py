@@ -3,6 +3,7 @@ machine is shared and noisy; the ratios go in issue notes, not in tests)."""
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 import pytest
@@ -145,3 +146,29 @@ def test_bench_forecast_prints_a_row_per_depth(tmp_path):
     # units and projections per step: 2 lines x the 2 L + 1 norms of a pre-norm GPT (ln_1 and
     # ln_2 per block, ln_f), every one of them fitted
     assert [ln.split("|")[2:4] for ln in rows] == [[" 10 ", " 10 "], [" 14 ", " 14 "]]
+
+
+def test_bench_your_model_prints_both_models_and_a_verdict_its_numbers_carry(tmp_path):
+    """scripts/bench_your_model.py (issue 36, Done when 4) at its smallest: one round of one
+    ABBA quad per model. The verdict's words are checked against the numbers it printed."""
+    pytest.importorskip("transformers")
+    from doc_commands import doc_command
+
+    shown = shlex.split(doc_command("bench-your-model"))  # docs/your-model.md's line
+    script = str(ROOT / shown[1])
+    args = [*shown[2:], "--rounds", "1", "--steps", "40", "--warmup", "4", "--threads", "1"]
+    r = run_cli([sys.executable, script, *args], cwd=tmp_path)  # shrunk: 1 round, 1 quad
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "| our GPT |" in out and "| HF GPT-2 |" in out
+    line = next(x for x in out.splitlines() if x.startswith("HF GPT-2 minus our GPT"))
+    lo, hi = (float(v) for v in line.split("interquartile ")[1].split(" to "))
+    verdict = next(x for x in out.splitlines() if x.startswith("verdict: "))
+    if lo >= -1 and hi <= 1:
+        assert verdict.startswith("verdict: within 1 point")
+    elif lo > 1 or hi < -1:
+        assert verdict.startswith("verdict: not within 1 point")
+    else:
+        assert verdict.startswith("verdict: not resolved at 1 point")
+    bad = run_cli([sys.executable, script, "--rounds", "0"], cwd=tmp_path)
+    assert bad.returncode == 2 and "--rounds=0 is not allowed" in bad.stderr
