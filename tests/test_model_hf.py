@@ -156,3 +156,39 @@ def test_the_docs_model_hf_command_runs_as_written(tmp_path, monkeypatch, capsys
     lines = r.stdout.splitlines()
     first = next(x for x in lines if x.startswith("first non-finite gradient, at step "))
     assert first.startswith("first non-finite gradient, at step 1: model.layers.")
+
+
+def _saved_llama(path, **over):
+    """A Llama of the default model keys, by hand, written with save_pretrained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    keys = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=128, intermediate_size=341, rms_norm_eps=1e-5)  # fmt: skip
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(**{**keys, **over})).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def test_local_weights_load_with_nothing_downloaded_and_give_the_same_logits(tmp_path):
+    from stabilize.model import build_model
+
+    theirs = _saved_llama(tmp_path / "w")
+    cfg = compose_run(tmp_path, ["model=hf", f"model.hf.weights={tmp_path / 'w'}"])
+    ours = build_model(cfg.model).eval()  # norms swapped for ours, reducing in fp32
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = theirs(input_ids=x).logits
+        got = ours(x)
+    torch.testing.assert_close(got, want)  # fp32 defaults: the swap changed no number
+
+
+def test_local_weights_whose_config_differs_from_the_model_keys_are_refused(
+    tmp_path, monkeypatch, capsys
+):
+    _saved_llama(tmp_path / "w", num_hidden_layers=3)
+    args = ["model=hf", f"model.hf.weights={tmp_path / 'w'}", f"hydra.run.dir={tmp_path / 'r'}"]
+    rc, err = cli(args, tmp_path, monkeypatch, capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "its num_hidden_layers is 3, ours says 2" in err
+    assert not (tmp_path / "r").exists()

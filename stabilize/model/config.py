@@ -50,6 +50,10 @@ class HFConfig:
     norm_type: str = "arch"
     """arch: each norm keeps its kind (Llama's RMSNorm, GPT-2's LayerNorm) with the ``norm``
     group's eps, reduction dtype and backend; group: the ``norm`` group's type too."""
+    weights: str | None = None
+    """A local directory of Hugging Face weights (``save_pretrained``'s: config.json and the
+    weights), loaded with ``local_files_only``: nothing is downloaded. Its config must
+    agree with our model keys (a key that differs is refused, naming both values)."""
 
     def __post_init__(self) -> None:
         check_choice("model.hf.arch", self.arch, HF_ARCHS)
@@ -113,7 +117,7 @@ class GPTConfig:
     def _check_hf(self) -> None:
         """``model.hf``: its keys, and what a Hugging Face architecture cannot honour."""
         self.hf = build_dataclass(HFConfig, self.hf, "model.hf")
-        from stabilize.model.hf_arch import hf_config_keys
+        from stabilize.model.hf_arch import check_weights, hf_config_keys
 
         ours = set(hf_config_keys(self))
         for key in self.hf.config:
@@ -123,6 +127,8 @@ class GPTConfig:
                     "vocab_size, block_size, n_layer, d_model, n_head, mlp_ratio, dropout, "
                     f"init_std, norm.eps); allowed: any other key of the {self.hf.arch} config"
                 )
+        if self.hf.weights is not None:
+            check_weights(self)
         n = self.norm
         if self.hf.arch == "gpt2" and self.hf.norm_type == "group":
             from stabilize.norms.registry import get_norm_type

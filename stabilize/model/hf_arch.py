@@ -81,8 +81,11 @@ def build_hf(cfg: GPTConfig) -> nn.Module:
     from stabilize.norms.surgery import swap_norms
 
     config_cls, model_cls = _classes(cfg.hf.arch)
-    hf_cfg = config_cls(**_ours(cfg), **cfg.hf.config, attn_implementation="sdpa")
-    model = _causal_lm(model_cls)(hf_cfg)
+    if cfg.hf.weights is not None:
+        model = _pretrained(cfg, model_cls)
+    else:
+        hf_cfg = config_cls(**_ours(cfg), **cfg.hf.config, attn_implementation="sdpa")
+        model = _causal_lm(model_cls)(hf_cfg)
     model.cfg = cfg
     model.z_loss = cfg.z_loss
     model.logit_softcap = LogitSoftcap(0.0)  # the loss's log Z sink (no cap: refused)
@@ -91,6 +94,39 @@ def build_hf(cfg: GPTConfig) -> nn.Module:
                backend=cfg.norm.backend)  # fmt: skip
     apply_norm_sites(model, cfg.norm_sites)
     return model
+
+
+def check_weights(cfg: GPTConfig) -> None:
+    """``model.hf.weights`` before anything is written: a local ``save_pretrained``
+    directory whose config agrees with our model keys (and ``model.hf.config``); dropout
+    is the run's and the init std unused, so those may differ."""
+    from pathlib import Path
+
+    config_cls, _ = _classes(cfg.hf.arch)
+    path = Path(cfg.hf.weights).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model.hf.weights={cfg.hf.weights!r} is not allowed: no config.json there; "
+            "allowed: a directory written by save_pretrained"
+        )
+    saved = config_cls.from_pretrained(str(path), local_files_only=True)
+    for key, value in {**_ours(cfg), **cfg.hf.config}.items():
+        have = getattr(saved, key, None)
+        if have == value or key.endswith(("dropout", "pdrop")) or key == "initializer_range":
+            continue
+        raise ValueError(
+            f"model.hf.weights={cfg.hf.weights!r} is not allowed with these model keys: its "
+            f"{key} is {have!r}, ours says {value!r}; allowed: model keys that match the "
+            "weights' config.json"
+        )
+
+
+def _pretrained(cfg: GPTConfig, model_cls) -> nn.Module:
+    """The weights of ``model.hf.weights`` (checked by ``check_weights``), the run's dropout."""
+    drop = {k: v for k, v in _ours(cfg).items() if k.endswith(("dropout", "pdrop"))}
+    return _causal_lm(model_cls).from_pretrained(
+        str(cfg.hf.weights), local_files_only=True, attn_implementation="sdpa", **drop
+    )
 
 
 _SUBCLASSES: dict[type, type] = {}
