@@ -151,3 +151,23 @@ def test_a_resumed_run_goes_on_from_its_model_step(tmp_path):
     assert cb2.host.train_state.model_step == 9
     assert cb2.host.train_state.data_step == 9  # 9 micro-batches trained on, in all
     assert trainer2.global_step == 9
+
+
+def test_under_ddp_a_transient_nan_on_one_rank_rolls_every_rank_back_together(tmp_path):
+    """torchrun, 2 ranks, gloo: the NaN planted on rank 1 at step 4 is seen by both ranks
+    (one gathered vector), classified transient and blamed on rank 1; both roll back to the
+    same step, end at the model's budget and hold the same weights."""
+    from conftest import torchrun
+
+    run = tmp_path / "run"
+    torchrun("your_model_ddp_worker.py", str(run), cwd=tmp_path)
+    ranks = json.loads((run / "ranks.json").read_text())
+    assert [r["model_step"] for r in ranks] == [8, 8]
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP replicas stayed equal
+    events = _events(run)
+    (fault,) = [e for e in events if e["kind"] == "rollback" and e["monitor"] != "rollback"]
+    assert (fault["step"], fault["extra"]["class"], fault["extra"]["ranks"]) == (
+        4, "transient", [1],
+    )  # fmt: skip
+    (rolled,) = [e for e in events if e["monitor"] == "rollback"]
+    assert rolled["extra"]["restored_step"] == 2
