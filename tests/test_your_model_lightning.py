@@ -171,3 +171,38 @@ def test_under_ddp_a_transient_nan_on_one_rank_rolls_every_rank_back_together(tm
     )  # fmt: skip
     (rolled,) = [e for e in events if e["monitor"] == "rollback"]
     assert rolled["extra"]["restored_step"] == 2
+
+
+class _Recording(GPT2LM):
+    """GPT2LM that remembers each training_step's loss, as the module itself computed it."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.seen: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.seen.append(float(loss.detach()))
+        return loss
+
+
+def test_the_step_loss_is_the_modules_own_under_fp16_scaling_and_accumulation(tmp_path):
+    """Lightning hands on_before_backward the loss divided by accumulate_grad_batches and
+    multiplied by the GradScaler's scale: the callback undoes both, so the loss the monitors
+    judge is the mean of the module's own micro-batch losses (the scale is a power of 2)."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    torch.manual_seed(0)
+    module = _Recording()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    cb = stabilize.StabilityCallback(run_dir=tmp_path / "run")
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, accumulate_grad_batches=2,
+                        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb])  # fmt: skip
+    trainer.fit(module, loader())
+    assert cb.host.precision_name == "fp16-mixed"
+    assert len(module.seen) == 6 and cb.host.train_state.model_step == 3
+    want = (module.seen[-2] + module.seen[-1]) / 2
+    assert cb.last.loss == pytest.approx(want, rel=1e-6)
+    assert cb.last.loss_scale is not None and cb.last.loss_scale > 1
