@@ -206,3 +206,34 @@ def test_the_step_loss_is_the_modules_own_under_fp16_scaling_and_accumulation(tm
     want = (module.seen[-2] + module.seen[-1]) / 2
     assert cb.last.loss == pytest.approx(want, rel=1e-6)
     assert cb.last.loss_scale is not None and cb.last.loss_scale > 1
+
+
+def test_the_users_own_loggers_get_the_per_layer_series_by_the_models_paths(tmp_path):
+    """The callback logs through the Trainer's loggers, the user's own: a real offline W&B
+    run and a CSVLogger get the per-layer series under the model's own module paths, and
+    stabilize-report reads the CSV where the callback's run dir (the Trainer's log dir, by
+    default) holds it."""
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    from stabilize.report import main as report_main
+    from stabilize.wandb_offline import find_offline_runs, read_offline_run
+
+    torch.manual_seed(0)
+    wandb = WandbLogger(save_dir=tmp_path, mode="offline", project="mine", anonymous=None)
+    csv_logger = CSVLogger(tmp_path, name="csv", version=0)
+    cb = stabilize.StabilityCallback()  # run dir: the Trainer's log dir (the first logger's)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", log_every_n_steps=2,
+                        logger=[csv_logger, wandb], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[cb], default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(GPT2LM(), loader())
+    wandb.experiment.finish()
+    assert cb.run_dir == Path(csv_logger.log_dir)
+    (offline,) = find_offline_runs(tmp_path / "wandb")
+    keys = set().union(*(row.keys() for row in read_offline_run(offline, wait_s=30).history))
+    for key in ("act/transformer.h.1", "act/transformer.h.0.ln_1", "train/loss_step",
+                "grad_norm/transformer.h.0", "attn_logit/transformer.h.1.attn"):  # fmt: skip
+        assert key in keys, sorted(keys)
+    assert report_main([str(cb.run_dir)]) == 0
+    (arm,) = json.loads((cb.run_dir / "report" / "summary.json").read_text())
+    assert (arm["status"], arm["precision"], arm["steps"]) == ("done", "fp32", 4)

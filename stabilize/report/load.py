@@ -1,6 +1,7 @@
 """Runs as the report sees them, from any of three sources.
 
-- a local run dir (the richest): ``config.json``, ``csv/version_*/metrics.csv``,
+- a local run dir (the richest): ``config.json``, ``csv/version_*/metrics.csv`` (or a
+  CSVLogger's own ``metrics.csv`` beside them),
   ``events.jsonl`` (exact steps of every warning, overflow, skip and rollback),
   ``audit.jsonl``, ``result.json`` / ``diagnosis.json``;
 - W&B offline files (``wandb/offline-run-*``) when a run dir has no CSV log;
@@ -155,8 +156,11 @@ def _csv_rows(run_dir: Path, warnings: list[str]) -> list[dict[str, float]]:
     warning naming the file and line; a file the csv reader gives up on keeps the rows read
     before the damage."""
     rows = []
-    for v in sorted((run_dir / "csv").glob("version_*"), key=_version):
-        f = v / "metrics.csv"
+    files = [v / "metrics.csv" for v in sorted((run_dir / "csv").glob("version_*"), key=_version)]
+    # a run dir that is a CSVLogger's own log dir (the stability callback's default run dir
+    # on a LightningModule of the user's: docs/your-model.md)
+    files = files if any(f.exists() for f in files) else [run_dir / "metrics.csv"]
+    for f in files:
         if not f.exists():
             continue
         bad: list[tuple[int, str]] = []
