@@ -133,3 +133,91 @@ def stabilize_norm():
     from stabilize.norms import Norm
 
     return Norm
+
+
+class HalfRMSNorm(torch.nn.Module):
+    """A user's own RMSNorm that reduces in fp16 (its sum of squares rounds to inf from
+    65520 on), not ours and not swapped: found by duck typing, its reduction measured."""
+
+    def __init__(self, d: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.half()
+        ss = (h * h).sum(-1, keepdim=True)
+        return (h * torch.rsqrt(ss / h.shape[-1] + self.eps)).to(x.dtype) * self.weight
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.proj = HalfRMSNorm(d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.proj(self.norm(x))
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self, d=64, vocab=256):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(_Block(d) for _ in range(2))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def _tiny_loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def test_a_users_own_fp16_norm_is_counted_as_its_reduction_overflows(tmp_path):
+    """A norm that is not ours and reduces in fp16: the probe counts the rows whose fp16 sum
+    of squares overflows (and that come out as zeros) as a float64 count of the fp16-rounded
+    squares does, step by step, on rows that differ (some over the line, some under)."""
+    from stabilize.norms.surgery import find_norms
+
+    torch.manual_seed(0)
+    model = _Tiny()
+    with torch.no_grad():  # rows of RMS ~30: sums of squares around 65520 at D = 64
+        model.emb.weight.mul_(30.0)
+    assert {n.reduction_dtype for n in find_norms(model)} == {"fp16"}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = stabilize.Guard(model, opt, run_dir=tmp_path / "run", loss_fn=_tiny_loss,
+                            rollback={"enabled": False}, log_every=1)  # fmt: skip
+    names = [n.name for n in find_norms(model)]
+    ref: dict[str, int] = {}
+
+    def count(name):
+        def hook(module, args):
+            ref[name] = ref.get(name, 0) + _overflow_rows(args[0])[0]
+
+        return hook
+
+    for n in names:
+        model.get_submodule(n).register_forward_pre_hook(count(n))
+    seen = []
+    for step, batch in enumerate(guard.batches(_data()), 1):
+        ref.clear()
+        loss = _tiny_loss(model, batch)
+        loss.backward()
+        v = guard.before_step(loss)
+        got = {n: guard.last.norm_overflow[n] for n in names}
+        assert got == {n: float(ref[n]) for n in names}, (step, got, ref)
+        assert {n: guard.last.norm_collapsed[n] for n in names} == got  # finite rows: dead
+        seen.append(got)
+        if v.apply:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == 3:
+            break
+    guard.close()
+    rows = 8 * 32
+    assert any(0 < c < rows for s in seen for c in s.values()), seen

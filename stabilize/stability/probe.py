@@ -155,9 +155,24 @@ class StabilityProbe:
         return hook
 
     def _norm_hook(self, j):
-        def hook(module, args):  # a foreign norm's input: it reduces in fp32 (find_norms)
-            if module.training and self.buf is not None and args:
+        site = self.view.norms[j]
+        dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(site.reduction or "")
+
+        def hook(module, args):  # a norm that is not ours: its input, before it runs
+            if not (module.training and self.buf is not None and args):
+                return
+            if dt is None:  # it reduces in fp32 (find_norms): only a non-finite row breaks it
                 absmax_into(args[0], self.buf, self._o_norm + j)
+                return
+            x = args[0]
+            with torch.no_grad():  # its statistic as a 16-bit reduction makes it
+                xd = x.detach().to(dt).float()
+                if site.kind == "layernorm":
+                    xd = xd - xd.mean(-1, keepdim=True)
+                ss = xd.square().to(dt).float().sum(-1, keepdim=True)  # squares rounded, summed
+                over = torch.isinf(ss.to(dt))
+                ms = torch.where(over, torch.inf, ss / x.shape[-1]).to(dt)
+            self.record_norm(j, x, ms, "rmsnorm")  # ms: a mean square, inf where it overflowed
 
         return hook
 

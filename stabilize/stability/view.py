@@ -38,6 +38,11 @@ class NormSite:
     width: int
     reports: bool
     """A zoo ``Norm``: it hands its input and statistic to the probe itself."""
+    reduction: str | None = None
+    """A norm that is not ours: the dtype its statistic is computed in (``find_norms``;
+    fp16 / bf16: its rows are counted as its own reduction would overflow them)."""
+    kind: str = "rmsnorm"
+    """layernorm (its statistic is of the centred row) | rmsnorm | unknown."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,10 @@ def _heads(src: QKSource, hd: int):
 def foreign_view(model: nn.Module, blocks: str | None = None) -> ModelView:
     """Any other model, by discovery (``inspect_model``; ``blocks``: a glob over paths)."""
     found = inspect_model(model, blocks=blocks)
-    norms = [NormSite(n.name, n.module, n.width, isinstance(n.module, Norm)) for n in found.norms]
+    norms = [
+        NormSite(n.name, n.module, n.width, isinstance(n.module, Norm), n.reduction_dtype, n.kind)
+        for n in found.norms
+    ]
     attn: list[AttnSite | None] = []
     for (name, block), src in zip(found.blocks, found.qk, strict=True):
         hd = _head_dim(block)
