@@ -56,3 +56,14 @@ def test_paired_blocks_drop_one_stall():
 def test_no_script_over_300_lines():
     sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "scripts").glob("*.py")}
     assert sizes and all(n <= 300 for n in sizes.values()), sizes
+
+
+def test_median_interval_is_the_sign_tests_by_hand():
+    """Coverage 1 - 2 P(Bin(n, 1/2) < k), by hand: n = 8, k = 2: 1 - 2 (1 + 8) / 256;
+    n = 12, k = 3: 1 - 2 (1 + 12 + 66) / 4096 (k = 4 would give 0.854 < 0.9); n = 4 is too
+    few for 0.9: the whole range, 1 - 2 / 16."""
+    from stabilize.bench.stats import median_interval
+
+    assert median_interval([5.0, 1.0, 3.0, 2.0, 8.0, 7.0, 4.0, 6.0]) == (2.0, 7.0, 1 - 18 / 256)
+    assert median_interval(list(range(12))) == (2, 9, 1 - 2 * 79 / 4096)
+    assert median_interval([3.0, 1.0, 2.0, 0.0]) == (0.0, 3.0, 1 - 2 / 16)

@@ -161,14 +161,17 @@ def test_bench_your_model_prints_both_models_and_a_verdict_its_numbers_carry(tmp
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     assert "| our GPT |" in out and "| HF GPT-2 |" in out
-    line = next(x for x in out.splitlines() if x.startswith("HF GPT-2 minus our GPT"))
-    lo, hi = (float(v) for v in line.split("interquartile ")[1].split(" to "))
-    verdict = next(x for x in out.splitlines() if x.startswith("verdict: "))
-    if lo >= -1 and hi <= 1:
-        assert verdict.startswith("verdict: within 1 point")
-    elif lo > 1 or hi < -1:
-        assert verdict.startswith("verdict: not within 1 point")
-    else:
-        assert verdict.startswith("verdict: not resolved at 1 point")
+    heads = [x for x in out.splitlines() if x.startswith("HF GPT-2 minus our GPT")]
+    verdicts = [x for x in out.splitlines() if x.startswith("verdict (")]
+    assert len(heads) == len(verdicts) == 2  # wall clock and process CPU time
+    for line, verdict in zip(heads, verdicts, strict=True):
+        lo, hi = (float(v) for v in line.split("% interval ")[1].split(" to "))
+        words = verdict.split("): ", 1)[1]
+        if lo >= -1 and hi <= 1:
+            assert words.startswith("within 1 point")
+        elif lo > 1 or hi < -1:
+            assert words.startswith("not within 1 point")
+        else:
+            assert words.startswith("not resolved at 1 point")
     bad = run_cli([sys.executable, script, "--rounds", "0"], cwd=tmp_path)
     assert bad.returncode == 2 and "--rounds=0 is not allowed" in bad.stderr
