@@ -238,6 +238,10 @@ class Guard:
         )
         self._owed = self._batch
         if bad:  # restored now: the user skips the step
+            if self.scaler is not None and self.scaler.is_enabled():
+                # the scaler's per-step record (its unscale_ above) is closed as its own
+                # update() does; the rollback then loads the snapshot's scale over it
+                self.scaler.update()
             self._finish()
         return verdict
 

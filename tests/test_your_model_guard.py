@@ -221,3 +221,49 @@ def test_a_users_own_fp16_norm_is_counted_as_its_reduction_overflows(tmp_path):
     guard.close()
     rows = 8 * 32
     assert any(0 < c < rows for s in seen for c in s.values()), seen
+
+
+def test_a_rolled_back_step_leaves_the_users_loop_and_scaler_going(tmp_path):
+    """Rollback on, fp16 autocast with a GradScaler: a NaN planted once in block 1's output
+    at step 4 is judged before the optimizer step; before_step returns apply=False with the
+    model, optimizer and scaler already restored, and the user's loop (skipping that step)
+    goes on: the next unscale_ finds the scaler ready, and the model ends healthy."""
+    model = build("fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    guard = stabilize.Guard(model, opt, scaler, run_dir=tmp_path / "run", loss_fn=lm_loss,
+                            rollback={"snapshot_every": 2})  # fmt: skip
+    forwards = []
+
+    def plant(block, args, out):
+        forwards.append(1)
+        if len(forwards) == 4:
+            h = out[0] if isinstance(out, tuple) else out
+            return h * float("nan") if not isinstance(out, tuple) else (h * float("nan"), *out[1:])
+        return None
+
+    model.model.layers[1].register_forward_hook(plant)
+    verdicts = []
+    for step, batch in enumerate(guard.batches(_data(n=96)), 1):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = lm_loss(model, batch)
+        scaler.scale(loss).backward()
+        v = guard.before_step(loss)
+        verdicts.append(v)
+        if v.apply:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if step == 10:
+            break
+    guard.close()
+    assert [v.apply for v in verdicts].count(False) == 1
+    bad = next(v for v in verdicts if not v.apply)
+    assert bad.step == 4 and any(e.monitor == "nonfinite" for e in bad.events)
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    (rolled,) = [e for e in events if e["monitor"] == "rollback"]
+    assert rolled["extra"]["restored_step"] == 2 and rolled["extra"]["class"] == "transient"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # 10 batches: steps 1-3 applied, step 4 judged bad and the model back at step 2, then
+    # 6 more applied
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["model_step"] == 8

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stabilize.compat import scaler_scale
 from stabilize.rollback import RollbackConfig
 from stabilize.rollback.remedies import lr_scale_at
 from stabilize.rollback.state import TrainState
@@ -181,7 +182,7 @@ class LightningHost:
             self.injector.arm(self.train_state.model_step + 1, self.model)
         loss = loss.detach().float() * self._accumulate
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        scale = scaler_scale(scaler) if scaler is not None else None
         if scale is not None:
             loss = loss / scale.reshape(())
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss
