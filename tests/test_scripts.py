@@ -148,6 +148,7 @@ def test_bench_forecast_prints_a_row_per_depth(tmp_path):
     assert [ln.split("|")[2:4] for ln in rows] == [[" 10 ", " 10 "], [" 14 ", " 14 "]]
 
 
+@pytest.mark.slow  # two toggle runs (~22 s): the default suite stays under ~8 minutes
 def test_bench_your_model_prints_both_models_and_a_verdict_its_numbers_carry(tmp_path):
     """scripts/bench_your_model.py (issue 36, Done when 4) at its smallest: one round of one
     ABBA quad per model. The verdict's words are checked against the numbers it printed."""
