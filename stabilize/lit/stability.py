@@ -193,6 +193,8 @@ class StabilityCallback(L.Callback):
         refuse_fault(self.fcfg, gradients=False)
         self.host = LightningHost(pl_module, trainer, model, self.rcfg, self.factory)
         self._driven = True
+        if getattr(self, "_host_state", None):  # a checkpoint's state loaded before setup
+            self.host.load(self._host_state)
         where = module_path(pl_module)
         if where.startswith("__main__:") and self.factory is None and trainer.is_global_zero:
             print(f"[stability] {where} is defined in a script: its repro bundles cannot be "
