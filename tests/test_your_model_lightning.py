@@ -237,3 +237,58 @@ def test_the_users_own_loggers_get_the_per_layer_series_by_the_models_paths(tmp_
     assert report_main([str(cb.run_dir)]) == 0
     (arm,) = json.loads((cb.run_dir / "report" / "summary.json").read_text())
     assert (arm["status"], arm["precision"], arm["steps"]) == ("done", "fp32", 4)
+
+
+class _Manual(GPT2LM):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize(
+    ("module", "kw", "words"),
+    [
+        (_Manual, {}, "_Manual: manual optimization is not supported by StabilityCallback"),
+        (GPT2LM, {"fault": {"kind": "nan_loss", "step": 2}},
+         "fault.kind='nan_loss' acts on the loss, which this loop computes itself"),
+    ],
+)  # fmt: skip
+def test_what_the_callback_cannot_watch_is_refused_in_one_line(tmp_path, module, kw, words):
+    from stabilize.lit.host import StabilityConfigError
+
+    torch.manual_seed(0)
+    cb = stabilize.StabilityCallback(run_dir=tmp_path / "run", **kw)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb])  # fmt: skip
+    with pytest.raises(StabilityConfigError) as err:
+        trainer.fit(module(), loader())
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_module_defined_in_a_script_is_refused_by_the_replay_and_warned_of_in_training(
+    tmp_path, capsys
+):
+    """A bundle naming ``__main__:Class`` cannot be rebuilt elsewhere: the replay's one line
+    says what to do; the callback says so at set-up, before any bundle exists."""
+    from stabilize.replay.rebuild import CannotRebuild, rebuild_module
+
+    with pytest.raises(CannotRebuild, match=r"__main__:MyLM is defined in a script; move it to "
+                       r"a module or give StabilityCallback\(factory='pkg.mod:fn'\)"):  # fmt: skip
+        rebuild_module({"kind": "lightning", "module": "__main__:MyLM", "hparams": {}})
+    script = tmp_path / "train_here.py"
+    script.write_text(
+        "import lightning as L, torch, stabilize, sys\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "from your_lm import GPT2LM, loader\n"
+        "class MyLM(GPT2LM):\n    pass\n"
+        "cb = stabilize.StabilityCallback(run_dir='run')\n"
+        "L.Trainer(max_steps=1, accelerator='cpu', logger=False, enable_checkpointing=False,"
+        " enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])"
+        ".fit(MyLM(), loader())\n"
+    )
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert ("[stability] __main__:MyLM is defined in a script: its repro bundles cannot be "
+            "replayed in another process") in r.stdout  # fmt: skip

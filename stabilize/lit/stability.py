@@ -205,12 +205,7 @@ class StabilityCallback(L.Callback):
             trainer.fit_loop.epoch_loop.max_steps = -1
 
     def on_train_start(self, trainer, pl_module):
-        if self._driven:
-            if len(trainer.optimizers) != 1:
-                raise StabilityConfigError(
-                    f"{type(pl_module).__name__}: {len(trainer.optimizers)} optimizers; "
-                    "StabilityCallback watches a module with exactly one"
-                )
+        if self._driven:  # one optimizer: Lightning's automatic optimization allows no more
             self.host.start()
             self.write_run_info(trainer)
         self.injector.bind_data(self.host.train_dataset())
