@@ -22,7 +22,7 @@ import stabilize
 
 pytest.importorskip("transformers")
 
-from your_lm import GPT2LM, loader  # noqa: E402
+from your_lm import GPT2LM, loader, nan_once  # noqa: E402
 
 HERE = Path(__file__).parent
 STEPS = 12
@@ -62,19 +62,7 @@ def _first_loss(tmp_path: Path) -> float:
 def test_a_transient_nan_in_block_1_is_rolled_back_and_its_bundle_does_not_reproduce(tmp_path):
     torch.manual_seed(0)
     module = GPT2LM()
-    forwards = []
-
-    def plant(block, args, out):  # the 6th training forward is step 6's; once
-        if not block.training:
-            return None
-        forwards.append(1)
-        if len(forwards) != 6:
-            return None
-        h = (out[0] if isinstance(out, tuple) else out).clone()
-        h[0, 3, 5] = float("nan")
-        return (h, *out[1:]) if isinstance(out, tuple) else h
-
-    module.model.transformer.h[1].register_forward_hook(plant)
+    module.model.transformer.h[1].register_forward_hook(nan_once(6, (0, 3, 5)))  # step 6
     cb, trainer = _fit(tmp_path, module, loader())
     run = tmp_path / "run"
     events = _events(run)

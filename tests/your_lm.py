@@ -59,3 +59,22 @@ def patterned(n: int = 128, t: int = 32, vocab: int = 256, seed: int = 0, poison
 
 def loader(**kw) -> DataLoader:
     return DataLoader(patterned(**kw), batch_size=8, shuffle=False)
+
+
+def nan_once(at: int, where: tuple[int, int, int] = (0, 0, 0)):
+    """A forward hook for a residual block: one NaN in its output at its ``at``-th training
+    forward (the step of that number, with no accumulation), never again (a transient
+    fault: a re-run does not meet it). A tuple output (transformers 4) keeps its tail."""
+    forwards = []
+
+    def hook(block, args, out):
+        if not block.training:
+            return None
+        forwards.append(1)
+        if len(forwards) != at:
+            return None
+        h = (out[0] if isinstance(out, tuple) else out).clone()
+        h[where] = float("nan")
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+    return hook
