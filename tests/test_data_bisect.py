@@ -170,6 +170,7 @@ def test_the_skip_rows_rung_drops_only_the_poisoned_sequence_and_ends_like_a_run
         assert torch.equal(t, got["state_dict"][k]), k
 
 
+@pytest.mark.slow  # 21 s; one rank's data bisection stays in the default suite
 def test_on_two_ranks_the_sequence_is_found_on_its_rank_in_the_run_and_in_the_bundle(tmp_path):
     """torchrun, 2 ranks x 4 rows: the poisoned block drawn by rank 1 (row 2, position 5).
     In the run, skip_rows names it from rank 1's per-row forward and both ranks skip it

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import pytest
 from test_preempt import COMMON, _start
 from test_watchdog import _beat_at
 
@@ -23,6 +24,9 @@ ARGS = [
 ]
 
 
+# slow (56 s on 2 cores): the one elastic restart; a rank's death named and the launch's
+# exit code stay in the default suite (test_watchdog.py)
+@pytest.mark.slow
 def test_a_killed_rank_restarts_the_group_which_resumes_by_itself(tmp_path):
     d = tmp_path / "elastic"
     script = str(ROOT / "scripts" / "launch.sh")

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import FAST, ROOT
 
 MAX_STEPS = 8
@@ -75,6 +77,9 @@ def stop(p: subprocess.Popen) -> None:
         p.wait()
 
 
+# slow (20 s): two ranks rolling back together stays in the default suite
+# (test_stability.py's torchrun case); this adds the two-node rendezvous
+@pytest.mark.slow
 def test_two_nodes_on_localhost_share_one_run_and_roll_back_together(tmp_path):
     run_dir = tmp_path / "run"
     port, run_id = free_port(), f"two-nodes-{os.getpid()}"

@@ -141,6 +141,7 @@ def test_a_resumed_run_goes_on_from_its_model_step(tmp_path):
     assert trainer2.global_step == 9
 
 
+@pytest.mark.slow  # 20 s; the one-process rollback of this module stays in the default suite
 def test_under_ddp_a_transient_nan_on_one_rank_rolls_every_rank_back_together(tmp_path):
     """torchrun, 2 ranks, gloo: the NaN planted on rank 1 at step 4 is seen by both ranks
     (one gathered vector), classified transient and blamed on rank 1; both roll back to the
