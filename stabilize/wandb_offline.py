@@ -71,6 +71,7 @@ class OfflineRun:
     history: list[dict[str, Any]] = field(default_factory=list)
     alerts: list[dict[str, str]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # define_metric's records
     finished: bool = False  # the exit record is there: the run's file is complete
 
     def series(self, key: str) -> list[Any]:
@@ -108,6 +109,10 @@ def _read_once(run_dir: Path) -> OfflineRun:
         elif kind == "summary":
             for item in r.summary.update:
                 out.summary[_item_key(item)] = json.loads(item.value_json)
+        elif kind == "metric":
+            m = r.metric
+            out.metrics.append({"name": m.name or m.glob_name, "glob": bool(m.glob_name),
+                                "hidden": m.options.hidden})  # fmt: skip
         elif kind == "alert":
             out.alerts.append({"title": r.alert.title, "text": r.alert.text})
         elif kind == "exit":

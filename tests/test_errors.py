@@ -84,6 +84,7 @@ CASES = [
     (["trainer.strategy=tp"], ["trainer.strategy='tp'", "'ddp'"]),
     (["optim.schedule=step"], ["optim.schedule='step'", "'cosine'"]),
     (["logger.mode=loud"], ["logger.mode='loud'", "'offline'"]),
+    (["logger.layer_panels=-2"], ["logger.layer_panels=-2", "integer >= -1"]),
     (["optim.accumulate_grad_batches=0"], ["optim.accumulate_grad_batches=0", "positive integer"]),
     (["trainer.compile=true", "norm.reduction_dtype=fp16"], ["trainer.compile=true", "'fp32'"]),
     (["model.block_size=-1"], ["model.block_size=-1", "positive integer"]),

@@ -65,6 +65,7 @@ def test_the_entry_points_signatures_are_pinned():
     assert params(stabilize.StabilityCallback.__init__) == [
         ("self", pos), ("monitor", pos), ("rollback", pos), ("fault", pos), ("run_dir", pos),
         ("accumulate", pos), ("model", kw), ("blocks", kw), ("skip_items", kw), ("factory", kw),
+        ("layer_panels", kw),
     ]  # fmt: skip
     assert params(stabilize.Guard.__init__) == [
         ("self", pos), ("model", pos), ("optimizer", pos), ("scaler", pos), ("scheduler", kw),

@@ -135,8 +135,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
 def test_wandb_offline_run_has_group_tags_config_and_history(tmp_path):
     cfg = compose_run(
         tmp_path,
-        [*FAST, "experiment=rmsnorm_fp16", "logger=wandb", "logger.tags=[a,b]", "norm.eps=1e-3"],
-    )
+        [*FAST, "experiment=rmsnorm_fp16", "logger=wandb", "logger.tags=[a,b]", "norm.eps=1e-3",
+         "logger.layer_panels=2"],
+    )  # fmt: skip
     run(cfg)
     runs = find_offline_runs(tmp_path / "wandb")
     assert len(runs) == 1  # one run per launch
@@ -154,6 +155,9 @@ def test_wandb_offline_run_has_group_tags_config_and_history(tmp_path):
     assert r.series("train/loss_scale")
     csv_loss = list(series(read_csv_metrics(tmp_path), "train/loss").values())
     assert losses == pytest.approx(csv_loss)
+    # logger.layer_panels=2 reaches the run: act/ (2 blocks, their norms) is one chart
+    assert {"name": "act/*", "glob": True, "hidden": True} in r.metrics
+    assert any("layers/act_table/path" in row for row in r.history)
 
 
 def test_logger_none_writes_csv_but_no_wandb(tmp_path):

@@ -219,7 +219,10 @@ def test_the_users_own_loggers_get_the_per_layer_series_by_the_models_paths(tmp_
     wandb.experiment.finish()
     assert cb.run_dir == Path(csv_logger.log_dir)
     (offline,) = find_offline_runs(tmp_path / "wandb")
-    keys = set().union(*(row.keys() for row in read_offline_run(offline, wait_s=30).history))
+    run = read_offline_run(offline, wait_s=30)
+    keys = set().union(*(row.keys() for row in run.history))
+    # 2 blocks: no prefix passes layer_panels=24, every key keeps its own automatic panel
+    assert not [m for m in run.metrics if m["hidden"]] and not any("layers/" in k for k in keys)
     for key in ("act/transformer.h.1", "act/transformer.h.0.ln_1", "train/loss_step",
                 "grad_norm/transformer.h.0", "attn_logit/transformer.h.1.attn"):  # fmt: skip
         assert key in keys, sorted(keys)

@@ -132,8 +132,14 @@ def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
         ThroughputLogger(COMPUTE_DTYPE[run.precision.name]),
         ReplicaCheck(run.run_dir),
         StabilityCallback(
-            run.monitor, run.rollback, run.fault, run.run_dir, accum, skip_items=run.data.skip_items
-        ),
+            run.monitor,
+            run.rollback,
+            run.fault,
+            run.run_dir,
+            accum,
+            skip_items=run.data.skip_items,
+            layer_panels=run.logger.layer_panels,
+        ),  # fmt: skip
         NormAudit(run.audit, run.run_dir),  # after the stability callback: sees its verdict
         StopAtModelStep(max_steps),
         *progress,

@@ -79,6 +79,7 @@ class StabilityCallback(L.Callback):
         blocks: str | None = None,
         skip_items: Iterable[str] | str = (),
         factory: str | None = None,
+        layer_panels: int = 24,
     ):
         """Settings as the ``stabilize-train`` groups (``monitor``, ``rollback``, ``fault``):
         a dataclass, a dict of its keys, or None for the defaults. ``run_dir``: where
@@ -88,7 +89,8 @@ class StabilityCallback(L.Callback):
         attribute path; default the child holding every parameter), ``blocks``, a glob
         naming its residual blocks (default the longest ModuleList), ``factory``,
         ``pkg.mod:fn`` that rebuilds the module for ``stabilize-replay`` (default its
-        class with its saved ``hparams``). ``skip_items``: ``data.skip_items``."""
+        class with its saved ``hparams``). ``skip_items``: ``data.skip_items``.
+        ``layer_panels``: ``logger.layer_panels`` (stability/wandb_layers.py)."""
         monitor = MonitorConfig.build(monitor if monitor is not None else {}, "monitor")
         rollback = _settings(RollbackConfig, rollback, "rollback")
         fault = fault if isinstance(fault, FaultConfig) else fault_config(fault)
@@ -105,7 +107,7 @@ class StabilityCallback(L.Callback):
         self.suite = MonitorSuite(monitor)
         # a monitor that reads a log-step-only series gets it on every step
         self._detailed_always = bool(self.suite.needs & StabilityProbe.DETAILED_ONLY)
-        self.sink = EventSink(run_dir or ".", self.rollback_on)
+        self.sink = EventSink(run_dir or ".", self.rollback_on, layer_panels)
         self.controller = RollbackController(rollback, run_dir or ".", self.suite, self.sink)
         self.gather = StepGather(accumulate or 1)
         self.classifier = Classifier(self.gather, self.suite)

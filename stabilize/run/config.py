@@ -190,9 +190,17 @@ class LoggerConfig:
     name: str | None = None
     csv: bool = True
     """Also a CSV log (run_dir/csv), whatever W&B does."""
+    layer_panels: int = 24
+    """W&B: a per-layer prefix (``act/``, ``norm_rms/``, ...) with more keys than this is
+    hidden from the automatic panels and drawn as one ``layers/<prefix>`` chart, every
+    layer a line, at the end of training (stability/wandb_layers.py); -1: never."""
 
     def __post_init__(self) -> None:
         check_choice("logger.mode", self.mode, ("offline", "online", "disabled"))
+        n = self.layer_panels
+        if isinstance(n, bool) or not isinstance(n, int) or n < -1:
+            raise ConfigError(f"logger.layer_panels={n!r} is not allowed; must be an integer "
+                              ">= -1 (-1: never group)")  # fmt: skip
 
     def wandb_mode(self) -> str:
         """The mode W&B runs in: the ``WANDB_MODE`` variable wins over ``logger.mode``."""

@@ -19,6 +19,7 @@ from stabilize.compat import batches_that_stepped
 from stabilize.monitors import SERIES_METRICS, Event, StepStats
 from stabilize.numerics import sum_of_squares_rms_limit
 from stabilize.stability.console import EventConsole
+from stabilize.stability.wandb_layers import LayerPanels
 
 # The step's scalars, logged on every optimizer step under these names (once logged only
 # every log_every_n_steps, a grad-norm peak of 13.7 showed up as 3.18). They are the host
@@ -37,8 +38,9 @@ ALERT_WAIT_S = 300  # W&B's wait_duration: alerts of one title, at most one per 
 
 
 class EventSink:
-    def __init__(self, run_dir: str | Path, rollback_on: bool = True):
+    def __init__(self, run_dir: str | Path, rollback_on: bool = True, layer_panels: int = 24):
         self.run_dir = Path(run_dir)
+        self.layers = LayerPanels(layer_panels)
         self.counts = {"warn": 0, "skip": 0, "rollback": 0}  # counted on every rank
         self.console = EventConsole(rollback_on)
 
@@ -46,6 +48,7 @@ class EventSink:
         """End of training (or an abort): the console's open episodes are summed up."""
         if trainer.is_global_zero:
             self.console.close()
+            self.layers.finish(trainer)
 
     def emit(self, trainer, e: Event, **extra) -> None:
         if e.kind in self.counts:
@@ -103,6 +106,8 @@ class EventSink:
             step = batches_that_stepped(trainer)
             for lg in trainer.loggers:
                 lg.log_metrics(m, step=step)
+            if layers:
+                self.layers.add(trainer, m, step)
 
     def _layer_metrics(
         self, s: StepStats, forecast: dict[str, float], dims: dict[str, int] | None
