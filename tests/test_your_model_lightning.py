@@ -42,11 +42,11 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
 
 
-def _replay(bundle: Path) -> subprocess.CompletedProcess:
+def _replay(bundle: Path, *flags: str) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "stabilize-replay"
     env = {**os.environ, "PYTHONPATH": str(HERE)}  # where your_lm lives, as a user's package
-    return subprocess.run([str(exe), str(bundle)], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    return subprocess.run([str(exe), *flags, str(bundle)], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
 
 
 def _first_loss(tmp_path: Path) -> float:
@@ -101,6 +101,21 @@ def test_a_nan_planted_by_content_is_found_again_and_its_bundle_reproduces(tmp_p
     assert r.returncode == 0, r.stdout + r.stderr
     assert "reproduces: yes" in r.stdout
     assert "first non-finite output in transformer.wte" in r.stdout
+    # --data in a fresh process: of the step's 8 rows, sequence 44 alone (row 4 of the
+    # loader's batch 5, counted from 0), named by the content of the dataset's own row;
+    # 4 replays by hand: the whole step, rows 0-3 (clear), rows 4-5 (fail), row 4 (fail)
+    from stabilize.replay.bisect import row_hash
+
+    r = _replay(run / "bundles" / "step-000006-nonfinite", "--data")
+    assert r.returncode == 0, r.stdout + r.stderr
+    x, y = loader(poison_at=[44]).dataset[44]
+    want = (f"data bisection over 8 sequences, 4 replays: the step fails with 1 of them: "
+            f"row 4 of the loader's batch 5 (counted from 0 over the run; rank 0; content "
+            f"hash {row_hash([x[None], y[None]], 0)})")  # fmt: skip
+    assert r.stdout.splitlines()[0] == want, r.stdout
+    (item,) = json.loads((run / "skipped_items.json").read_text())["items"]
+    assert (item["data_step"], item["row"], item["index"]) == (5, 4, None)
+    assert "does not skip them: drop them from your data" in r.stdout
 
 
 def test_a_bundle_whose_module_cannot_be_rebuilt_is_refused_in_one_line(tmp_path):

@@ -124,15 +124,75 @@ def minimize(cand: list, holds) -> list:
     return shrink(cand, frozenset())
 
 
+def rows_of(batch: Any) -> int:
+    """A batch's row count: its first tensor's leading dimension (0 without one)."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 0
+    parts = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(parts, (list, tuple)) or isinstance(batch, dict):
+        for v in parts:
+            if n := rows_of(v):
+                return n
+    return 0
+
+
+def take_rows(batch: Any, keep: list[int], n: int) -> Any:
+    """Rows ``keep`` of every tensor of ``batch`` with ``n`` rows (dicts, lists and tuples
+    kept as they are; other values as they are)."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch[keep] if batch.dim() and batch.shape[0] == n else batch
+    if isinstance(batch, dict):
+        return {k: take_rows(v, keep, n) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(take_rows(v, keep, n) for v in batch)
+    return batch
+
+
+def row_hash(batch: Any, j: int) -> str:
+    """Row ``j``'s content hash in any batch layout: SHA-256 over each of its tensors' row
+    (dtype, shape and bytes, in the batch's order), first 16 hex digits."""
+    import hashlib
+
+    import torch
+
+    n, h = rows_of(batch), hashlib.sha256()
+
+    def walk(b: Any) -> None:
+        if isinstance(b, torch.Tensor) and b.dim() and b.shape[0] == n:
+            t = b[j].detach().cpu().contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(b, dict):
+            for k in b:
+                walk(b[k])
+        elif isinstance(b, (list, tuple)):
+            for v in b:
+                walk(v)
+
+    walk(batch)
+    return h.hexdigest()[:16]
+
+
+def recorded_batches(r: dict) -> list:
+    """A bundle rank record's micro-batches: (x, y) token ids, or as they came."""
+    return r.get("batches") or list(zip(r["x"], r["y"], strict=True))
+
+
 def data(bundle: Path) -> dict[str, Any]:
     """The step's sequences that alone still fail it, by rank, micro-batch, row, data
-    position, training block index and content hash."""
+    position, training block index (our corpus; None for a loader we do not own) and
+    content hash."""
     from stabilize.data import block_hash
     from stabilize.trust import torch_load
 
     first = replay(bundle)
     ranks = torch_load(bundle / "batch.pt", trusted=False, map_location="cpu")["ranks"]
-    rows = [(r["rank"], m, j) for r in ranks for m, x in enumerate(r["x"]) for j in range(len(x))]
+    rows = [(r["rank"], m, j) for r in ranks for m, b in enumerate(recorded_batches(r))
+            for j in range(rows_of(b))]  # fmt: skip
     out: dict[str, Any] = {"rows": len(rows), "failing": fails(first), "replays": 1}
     if not out["failing"]:
         return {**out, "culprits": None}
@@ -149,11 +209,14 @@ def data(bundle: Path) -> dict[str, Any]:
     culprits = []
     for rank, m, j in sorted(found):
         r = by_rank[rank]
+        ours = r.get("items") is not None  # our corpus: the block index and its hash
         culprits.append({
             "rank": rank, "micro": m, "row": j, "data_step": r["positions"][m],
-            "index": r["items"][m][j], "hash": block_hash(r["x"][m][j], r["y"][m][j]),
+            "index": r["items"][m][j] if ours else None,
+            "hash": block_hash(r["x"][m][j], r["y"][m][j]) if ours
+            else row_hash(recorded_batches(r)[m], j),
         })  # fmt: skip
-    return {**out, "culprits": culprits}
+    return {**out, "culprits": culprits, "ours": all(r.get("items") is not None for r in ranks)}
 
 
 def skip_override(culprits: list[dict]) -> str:
@@ -178,13 +241,26 @@ def data_main(bundle: Path) -> int:
     if b["culprits"] is None:
         print(f"{head}: the step does not fail in the replay (nothing to bisect)")
         return 1
-    names = "; ".join(
-        f"block {c['index']} (hash {c['hash']}; rank {c['rank']}, data position "
-        f"{c['data_step']}, row {c['row']})"
-        for c in b["culprits"]
-    )
+    if b["ours"]:
+        names = "; ".join(
+            f"block {c['index']} (hash {c['hash']}; rank {c['rank']}, data position "
+            f"{c['data_step']}, row {c['row']})"
+            for c in b["culprits"]
+        )
+    else:  # a loader we do not own: named by its position in the run and the row's content
+        names = "; ".join(
+            f"row {c['row']} of the loader's batch {c['data_step']} (counted from 0 over the "
+            f"run; rank {c['rank']}; content hash {c['hash']})"
+            for c in b["culprits"]
+        )
     print(f"{head}: the step fails with {len(b['culprits'])} of them: {names}")
     path = record(bundle, b["culprits"])
+    if not b["ours"]:
+        where = f"recorded in {path}; " if path is not None else ""
+        print(f"{where}the harness does not own this loader and does not skip them: drop "
+              "them from your data (stabilize.replay.bisect.row_hash(batch, row) is the "
+              "content hash)")  # fmt: skip
+        return 0
     if path is not None:
         print(f"recorded in {path}: the run's resume steps over them, in every epoch")
     print(f'other runs on this corpus: "{skip_override(b["culprits"])}"')

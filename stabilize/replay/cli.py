@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
                      "reduction clears the step; print them as a Hydra override")  # fmt: skip
     how.add_argument("--data", action="store_true", help="find the fewest sequences of the "
                      "step that still fail it; record them (by block index and content hash) "
-                     "for the run's resume and print them as a Hydra override")  # fmt: skip
+                     "for the run's resume and print them as a Hydra override; a loader "
+                     "we do not own: by its batch, row and content hash")  # fmt: skip
     args = p.parse_args(argv)
     from stabilize.replay.bisect import data_main, precision_main
     from stabilize.trust import UntrustedFile

@@ -84,7 +84,7 @@ def replay(
         model, step = _rebuilt(meta["host"])  # refused in one line before anything is loaded
         state = torch_load(bundle / "state.pt", trusted=False, map_location="cpu")
         ranks = torch_load(bundle / "batch.pt", trusted=False, map_location="cpu")["ranks"]
-        return replay_module(model, step, meta, state, ranks, fp32_sites)
+        return replay_module(model, step, meta, state, ranks, fp32_sites, _select(rows))
     cfg = RunConfig.from_saved(meta["config"])  # a bundle of an older version too
     if meta.get("state_sharded"):  # FSDP: the ranks' shards, into one unsharded model
         state = sharded_state(bundle / "state", cfg)
@@ -171,14 +171,24 @@ def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites, ro
         if cfg.model.dropout > 0:
             torch.default_generator.manual_seed(step_seed(cfg.seed, pos, rank))
 
-    def select(r: dict, m: int, batch):  # a subset of the sequences (the data bisection)
-        if rows is None:
-            return batch
-        keep = [j for j in range(len(batch[0])) if (r["rank"], m, j) in rows]
-        return (batch[0][keep], batch[1][keep]) if keep else None
-
     return replay_step(model, forward, meta, state, ranks, fp32_sites, inj,
-                       precision=cfg.precision.name, reseed=reseed, select=select)  # fmt: skip
+                       precision=cfg.precision.name, reseed=reseed,
+                       select=_select(rows))  # fmt: skip
+
+
+def _select(rows: frozenset | None):
+    """``replay_step``'s ``select`` for a subset of the sequences, as (rank, micro-batch,
+    row) (the data bisection); None: every row."""
+    if rows is None:
+        return None
+    from stabilize.replay.bisect import rows_of, take_rows
+
+    def select(r: dict, m: int, batch):
+        n = rows_of(batch)
+        keep = [j for j in range(n) if (r["rank"], m, j) in rows]
+        return take_rows(batch, keep, n) if keep else None
+
+    return select
 
 
 def replay_step(model, forward, meta: dict, state: dict, ranks: list[dict], fp32_sites, inj,
@@ -191,6 +201,7 @@ def replay_step(model, forward, meta: dict, state: dict, ranks: list[dict], fp32
     ``select(rank_record, m, batch)``: a subset of a micro-batch's rows (None: skip it)."""
     import torch
 
+    from stabilize.replay.bisect import recorded_batches
     from stabilize.stability.localize import _Trace
 
     norms = dict(model.named_modules())
@@ -217,7 +228,7 @@ def replay_step(model, forward, meta: dict, state: dict, ranks: list[dict], fp32
                     inj.fault.restore(state["fault"])  # the course it had (a drift's factor)
             for p in model.parameters():
                 p.grad = None
-            batches = r.get("batches") or list(zip(r["x"], r["y"], strict=True))
+            batches = recorded_batches(r)
             n = len(batches)
             for m, (batch, pos) in enumerate(zip(batches, r["positions"], strict=True)):
                 if select is not None and (batch := select(r, m, batch)) is None:

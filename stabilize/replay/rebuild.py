@@ -80,9 +80,11 @@ def _lightning_module(host: dict[str, Any]):
         raise CannotRebuild(f"{target}(**hparams) failed: {e}{hint}") from None
 
 
-def replay_module(model, step, meta: dict, state: dict, ranks: list[dict], fp32_sites) -> dict:
+def replay_module(model, step, meta: dict, state: dict, ranks: list[dict], fp32_sites,
+                  select=None) -> dict:  # fmt: skip
     """The recorded step through ``step`` (see ``rebuild_module``), as ``core.replay_step``
-    replays our GPT's: the harness's own fault, if the run planted one, planted again."""
+    replays our GPT's: the harness's own fault, if the run planted one, planted again;
+    ``select``: a subset of the rows (the data bisection)."""
     from stabilize.replay.core import replay_step
 
     model.load_state_dict(state["model"])
@@ -92,4 +94,4 @@ def replay_module(model, step, meta: dict, state: dict, ranks: list[dict], fp32_
 
         inj = FaultInjector(fault_config(meta["host"]["fault"]))
     return replay_step(model, step, meta, state, ranks, fp32_sites, inj,
-                       precision=meta["precision"])  # fmt: skip
+                       precision=meta["precision"], select=select)  # fmt: skip
