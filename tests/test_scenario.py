@@ -291,6 +291,36 @@ def test_report_cli(arms, tmp_path, capsys):
     assert e.value.code == 2 and "--group" in capsys.readouterr().err
 
 
+def test_the_gap_command_on_the_arms_says_two_seeds_cannot_measure_noise(arms, tmp_path, capsys):
+    """``stabilize-gap`` (report/gap.py) on real run dirs: the bf16 arm against the two
+    reference seeds. Its gaps are the held-out and last-steps differences computed here
+    from the runs' own files; with 2 seeds it gives no sigma and says why (exit 1)."""
+    from stabilize.report.gap_cli import main as gap_main
+    from stabilize.report.summary import last_steps_mean
+
+    refs = [arms[f"reference-seed{s}"] for s in REF_SEEDS]
+    rc = gap_main([str(arms["bf16"]), "--reference", *map(str, refs), "--out", str(tmp_path)])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 1, out
+
+    def heldout(d):
+        return json.loads((d / "final_eval.json").read_text())["loss"]
+
+    def last(d):
+        return last_steps_mean(sorted(metric(d, "train/loss").items()))
+
+    want = heldout(arms["bf16"]) - sum(map(heldout, refs)) / 2
+    assert out[1] == (f"  held-out loss {want:+.4f} nats: 2 reference seeds, at least 3 are "
+                      "needed to measure seed noise")  # fmt: skip
+    want_last = last(arms["bf16"]) - sum(map(last, refs)) / 2
+    assert out[2].startswith(f"  last-steps loss {want_last:+.4f} nats: 2 reference seeds")
+    saved = json.loads((tmp_path / "gap.json").read_text())
+    assert saved["gap"] == pytest.approx(want) and saved["sigma"] is None
+    assert saved["real"] is None and (tmp_path / "gap.png").stat().st_size > 10_000
+    assert gap_main([str(tmp_path / "nope"), "--reference", str(refs[0])]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # 64 s on 2 idle cores; multi-rank rollback is also covered by the
 # default suite's torchrun tests (test_stability, test_two_nodes, test_accumulation)
 def test_repro_nan_script_with_two_torchrun_ranks(tmp_path):

@@ -52,8 +52,26 @@ def test_fixes_it_only_inside_the_band_and_without_nan():
     assert rows[1][0] == "reference (3 seeds)" and "band 3.121-3.319" in rows[1][3]
     cells = {r[0]: r for r in rows[2:]}
     assert cells["fp32_reduction"][1] == "yes"
-    assert cells["fp32_reduction"][3:6] == ["+0.010", "+0.020", "yes"]
+    # in seed noise, by hand: 0.01 / (0.02 * sqrt(4/3)) = 0.43, 0.02 / (0.03 * sqrt(4/3)) = 0.58
+    assert cells["fp32_reduction"][3:6] == ["+0.010 (+0.4)", "+0.020 (+0.6)", "yes"]
+    assert fp32.sigma_bpb == pytest.approx(0.01 / (0.02 * (4 / 3) ** 0.5))
+    assert "+0.010 bpb held out (+0.4 sigma of seed noise)" in fp32.words
+    assert bf16.sigma_bpb == pytest.approx(0.18 / (0.02 * (4 / 3) ** 0.5))  # 7.79
+    assert "+0.180 bpb held out (+7.8 sigma of seed noise)" in bf16.words
     assert cells["baseline"][1] == "no" and cells["baseline"][-1] == "does not stop the NaN"
+
+
+def test_a_bf16_arm_hides_its_measured_gap_in_seed_noise():
+    ra, rf = refs((3.20, 2.50), (3.24, 2.56), (3.22, 2.53))
+    near, far = arm("bf16", 3.25, 2.54), arm("bf16", 3.40, 2.54)
+    for a in (near, far):
+        a.precision, a.reduction = "bf16-mixed", "bf16"
+    (_, (v_near,)), (_, (v_far,)) = (judge([*ra, a], [*rf, Facts("bf16", 1)]) for a in (near, far))
+    # 0.03 / 0.023094 = 1.3 sigma < 4.303: inside; 0.18 / 0.023094 = 7.8: a real gap
+    assert v_near.hides.endswith(
+        "a held-out gap of +0.030 bpb to the reference, +1.3 sigma of seed noise (inside the noise)"
+    )
+    assert v_far.hides.endswith("+7.8 sigma of seed noise (a real gap)")
 
 
 def test_one_reference_seed_says_there_is_no_spread():

@@ -85,9 +85,18 @@ class Fault:
         self.data_step = -1  # the data position of the micro-batch in flight (begin())
         self.disabled = False  # a transient fault that happened, then was rolled back
 
+    # a kind whose ``persistent`` is fixed: (the value, why); any other value is refused
+    fixed_persistent: ClassVar[tuple[bool, str] | None] = None
+
     @classmethod
     def validate(cls, cfg: FaultConfig) -> None:
-        """Reject settings this kind cannot honour (called by ``FaultConfig``)."""
+        """Reject settings this kind cannot honour (called by ``FaultConfig``); a kind
+        that overrides this calls it too."""
+        fixed = cls.fixed_persistent
+        if fixed is not None and cfg.kind == cls.kind and cfg.persistent != fixed[0]:
+            want, why = str(fixed[0]).lower(), fixed[1]
+            raise ValueError(f"fault.persistent={cfg.persistent} is not allowed with fault.kind="
+                             f"{cls.kind}; allowed: {want} ({why})")  # fmt: skip
 
     def mine(self) -> bool:
         """Is this rank one the fault targets?"""

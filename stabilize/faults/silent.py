@@ -57,14 +57,7 @@ class BitFlipConfig(FaultConfig):
 class BitFlip(PointFault):
     kind = "bitflip"
     config = BitFlipConfig
-
-    @classmethod
-    def validate(cls, cfg: FaultConfig) -> None:
-        if cfg.kind == cls.kind and cfg.persistent:
-            raise ValueError(
-                "fault.persistent=True is not allowed with fault.kind=bitflip; allowed: "
-                "false (a flipped bit happens once)"
-            )
+    fixed_persistent = (False, "a flipped bit happens once")
 
     def after_backward(self, step: int, model: nn.Module) -> None:
         if not self.fires(step):

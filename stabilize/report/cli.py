@@ -84,12 +84,14 @@ VERDICT_NOTE = (
     "more of them than any reference seed had over the same steps, none otherwise (a skip is "
     "also the loss scale's calibration: the reference's row gives each seed's skips over the "
     "whole run). *gap*: the arm's value minus the reference's mean "
-    "over its seeds; *band*: the 95% prediction interval for one more reference seed, mean +- "
+    "over its seeds, and in brackets in units of seed noise, s * sqrt(1 + 1/n) (3 or more "
+    "seeds; `stabilize-gap`, report/gap.py); *band*: the 95% prediction interval for one more "
+    "reference seed, mean +- "
     "t(0.975, n-1) * s * sqrt(1 + 1/n) over the n seeds; *inside band*: the arm's held-out bpb "
     "and last-steps loss are at or below the band's upper end (`-`: 1 reference seed, no "
     "spread). *dies*: the loss flat at ln V (a uniform guess over the V tokens) to the end, "
     "after it had been lower, and held out too. *what it hides*: measured by the norm audit "
-    "(`audit.jsonl`)."
+    "(`audit.jsonl`), and for a bf16 arm its held-out gap in seed noise."
 )
 
 

@@ -32,13 +32,11 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from stabilize.report.gap import T975, Gap
 from stabilize.report.load import Run
 from stabilize.report.summary import DRIFTS, ArmSummary
 
 REFERENCE = "reference"
-# Student's t at 0.975 by degrees of freedom (n - 1 seeds); 1.96 beyond the table
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-        9: 2.262, 10: 2.228}  # fmt: skip
 
 
 @dataclass
@@ -143,6 +141,9 @@ class Verdict:
     allowance: int | None = None
     window: tuple[int, int] | None = None
     dies: bool = False  # the model collapsed to a uniform guess (ArmSummary.dead)
+    # each gap in units of seed noise (report/gap.py; None: fewer than 3 seeds, no spread)
+    sigma_bpb: float | None = None
+    sigma_loss: float | None = None
 
 
 def reference(arms: list[ArmSummary], fs: list[Facts]) -> Reference | None:
@@ -205,6 +206,16 @@ def judge(arms: list[ArmSummary], fs: list[Facts]) -> tuple[Reference | None, li
         v = Verdict(a.arm, stopped, gap_bpb, gap_loss, inside, hides(a, f), grad_nan=grad_nan,
                     in_window=there, allowance=allowance, window=window,
                     dies=a.dead)  # fmt: skip
+        if ref is not None and gap_bpb is not None:
+            v.sigma_bpb = Gap("held-out", gap_bpb, a.heldout_bpb, ref.bpb).sigma
+        if ref is not None and gap_loss is not None and math.isfinite(gap_loss):
+            v.sigma_loss = Gap("last-steps", gap_loss, a.final_loss, ref.loss).sigma
+        if a.precision.startswith("bf16") and v.sigma_bpb is not None and not a.dead:
+            g = Gap("held-out", gap_bpb, a.heldout_bpb, ref.bpb)
+            said = "a real gap" if g.real else "inside the noise"
+            gap = (f"a held-out gap of {gap_bpb:+.3f} bpb to the reference, "
+                   f"{g.sigma:+.1f} sigma of seed noise ({said})")  # fmt: skip
+            v.hides = "; ".join(x for x in (v.hides, gap) if x)
         v.label, v.words = words(a, f, v, ref)
         out.append(v)
     return ref, out
@@ -238,10 +249,14 @@ def steps_text(steps: list[int]) -> str:
 def _gap(v: Verdict) -> str:
     bits = []
     if v.gap_bpb is not None and math.isfinite(v.gap_bpb):
-        bits.append(f"{v.gap_bpb:+.3f} bpb held out")
+        bits.append(f"{v.gap_bpb:+.3f} bpb held out{_sigma(v.sigma_bpb)}")
     if v.gap_loss is not None and math.isfinite(v.gap_loss):
-        bits.append(f"{v.gap_loss:+.3f} loss over the last steps")
+        bits.append(f"{v.gap_loss:+.3f} loss over the last steps{_sigma(v.sigma_loss)}")
     return ", ".join(bits) or "no score"
+
+
+def _sigma(x: float | None) -> str:
+    return "" if x is None else f" ({x:+.1f} sigma of seed noise)"
 
 
 def _skipped(v: Verdict) -> str:
@@ -331,9 +346,16 @@ def words(a: ArmSummary, f: Facts, v: Verdict, ref: Reference | None) -> tuple[s
 
 
 HEADER = ["arm", "NaN stopped", "NaN-gradient skips (all of them, if more than the reference's)",
-          "gap: held-out bpb", "gap: last-steps loss", "inside band"]  # fmt: skip
+          "gap: held-out bpb (sigma)", "gap: last-steps loss (sigma)", "inside band"]  # fmt: skip
 TAIL = ["what it hides", "verdict"]
 COST = "step time / reference (paired: median, range)"
+
+
+def _cell_sigma(gap: float | None, sigma: float | None) -> str:
+    """A table cell's sigma beside its gap (nothing where the gap or the noise is unknown)."""
+    if gap is None or not math.isfinite(gap) or sigma is None:
+        return ""
+    return f" ({sigma:+.1f})"
 
 
 def verdict_rows(
@@ -367,8 +389,9 @@ def verdict_rows(
             )
         else:
             beyond = "0 (no overflow)"
-        rows.append([v.arm, "yes" if v.nan_stopped else "no", beyond, g(v.gap_bpb, "{:+.3f}"),
-                     g(v.gap_loss, "{:+.3f}"), inside]
+        rows.append([v.arm, "yes" if v.nan_stopped else "no", beyond,
+                     g(v.gap_bpb, "{:+.3f}") + _cell_sigma(v.gap_bpb, v.sigma_bpb),
+                     g(v.gap_loss, "{:+.3f}") + _cell_sigma(v.gap_loss, v.sigma_loss), inside]
                     + ([cost.get(v.arm, "-")] if cost is not None else [])
                     + [v.hides or "-", v.label])  # fmt: skip
     return rows

@@ -1,0 +1,175 @@
+"""The gap judge: how far a run is from its reference, in units of seed noise (issue 37;
+docs/design-precision.md section 1).
+
+For a score x of one run and the same score of n reference seeds (the reference config,
+e.g. the same run in fp32), the gap is ``x - mean(ref)``; its noise is the standard
+deviation of one more seed's difference from the reference mean, ``s * sqrt(1 + 1/n)``
+(s: the seeds' sample standard deviation), and the gap is "a real gap" only outside the
+95% prediction band, ``t(0.975, n-1)`` noise units (the band of ``report/verdict.py``).
+
+Scores: the held-out loss (nats per token, ``final_eval.json``) and the mean training loss
+of the last steps (``summary.last_steps_mean``). Per step: the training loss at each model
+step every run has (the value that stuck after a rollback), the gap to the reference mean
+and the band, each smoothed over ``window`` steps; the gap *opens* at the first step from
+which the smoothed gap stays above the smoothed band to the end.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from stabilize.report.load import Run
+from stabilize.report.summary import last_steps_mean
+
+MIN_SEEDS = 3
+# Student's t at 0.975 by degrees of freedom (n - 1 seeds); 1.96 beyond the table
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228}  # fmt: skip
+
+
+@dataclass
+class Gap:
+    """One score's gap to the reference mean, in units of seed noise."""
+
+    score: str  # "held-out loss" | "last-steps loss" (nats; the report's bpb too)
+    value: float  # the run's score minus the reference mean
+    run: float
+    ref: list[float]
+
+    @property
+    def n(self) -> int:
+        return len(self.ref)
+
+    @property
+    def noise(self) -> float | None:
+        """s * sqrt(1 + 1/n): one more seed's spread about the reference mean (None: fewer
+        than 2 seeds)."""
+        if self.n < 2:
+            return None
+        return statistics.stdev(self.ref) * math.sqrt(1 + 1 / self.n)
+
+    @property
+    def sigma(self) -> float | None:
+        noise = self.noise
+        return self.value / noise if noise and self.n >= MIN_SEEDS else None
+
+    @property
+    def half(self) -> float | None:
+        """The 95% prediction band's half width (nats)."""
+        noise = self.noise
+        return None if noise is None else T975.get(self.n - 1, 1.96) * noise
+
+    @property
+    def real(self) -> bool | None:
+        """Outside the band (None: it cannot be told: < 3 seeds, or no spread)."""
+        if self.n < MIN_SEEDS or not self.noise:
+            return None
+        return abs(self.value) > self.half
+
+    def words(self, unit: str = "nats") -> str:
+        head = f"{self.score} {self.value:+.4f} {unit}"
+        if self.n < MIN_SEEDS:
+            return (f"{head}: {self.n} reference seed{'s' if self.n != 1 else ''}, at least "
+                    f"{MIN_SEEDS} are needed to measure seed noise")  # fmt: skip
+        if not self.noise:
+            return f"{head}: the {self.n} reference seeds score the same, no seed noise to measure"
+        band = f"the {self.n}-seed band is +-{self.half:.4f}"
+        if self.real:
+            return f"{head}, {self.sigma:+.1f} sigma of seed noise: a real gap ({band})"
+        return f"{head}, {self.sigma:+.1f} sigma of seed noise: inside the noise ({band})"
+
+
+@dataclass
+class StepGaps:
+    """The per-step gap curve (smoothed) and where it opens."""
+
+    steps: list[int] = field(default_factory=list)
+    gap: list[float] = field(default_factory=list)  # smoothed run - reference mean
+    half: list[float] = field(default_factory=list)  # smoothed band half width
+    window: int = 1
+    opens_at: int | None = None
+
+
+@dataclass
+class Judgement:
+    heldout: Gap | None
+    last: Gap | None
+    steps: StepGaps
+
+    @property
+    def primary(self) -> Gap | None:
+        """The held-out gap where the runs were scored, else the last-steps one."""
+        return self.heldout or self.last
+
+    def lines(self) -> list[str]:
+        out = [g.words() for g in (self.heldout, self.last) if g is not None]
+        s = self.steps
+        if s.steps:
+            where = (f"opens at step {s.opens_at} (the smoothed gap above the band from there "
+                     "to the end)" if s.opens_at is not None
+                     else "never stays above the band to the end")  # fmt: skip
+            out.append(f"per step ({len(s.steps)} matched steps, smoothed over {s.window}): "
+                       f"the gap {where}")  # fmt: skip
+        return out
+
+
+def step_losses(run: Run) -> dict[int, float]:
+    """The training loss by model step, every step where the run logged it (the last value
+    of a step, i.e. the one that stuck after a rollback)."""
+    key = "train/loss_step" if any("train/loss_step" in r for r in run.rows) else "train/loss"
+    out: dict[int, float] = {}
+    for r in run.rows:
+        if key in r and "train/step" in r and math.isfinite(r[key]):
+            out[int(r["train/step"])] = r[key]
+    return out
+
+
+def _smooth(xs: list[float], w: int) -> list[float]:
+    """A trailing mean over ``w`` points (fewer at the start)."""
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= w:
+            acc -= xs[i - w]
+        out.append(acc / min(i + 1, w))
+    return out
+
+
+def step_gaps(run: Run, refs: list[Run], window: int | None = None) -> StepGaps:
+    mine = step_losses(run)
+    theirs = [step_losses(r) for r in refs]
+    steps = sorted(set(mine).intersection(*theirs)) if theirs else []
+    if not steps or len(refs) < 2:
+        return StepGaps()
+    w = window or max(1, len(steps) // 10)
+    n, t = len(refs), T975.get(len(refs) - 1, 1.96)
+    # each curve smoothed first, then compared: a step's loss differs between seeds mostly
+    # by noise that does not persist (measured: the per-step spread ~4x the spread of a
+    # 20-step mean), so the band of the smoothed gap is the smoothed curves' spread
+    mine_s = _smooth([mine[s] for s in steps], w)
+    refs_s = [_smooth([d[s] for s in steps], w) for d in theirs]
+    sg = [m - statistics.fmean(r[i] for r in refs_s) for i, m in enumerate(mine_s)]
+    sh = [t * statistics.stdev(r[i] for r in refs_s) * math.sqrt(1 + 1 / n)
+          for i in range(len(steps))]  # fmt: skip
+    opens = None
+    for i in range(len(steps) - 1, -1, -1):  # the last run of steps above the band
+        if abs(sg[i]) <= sh[i]:
+            break
+        opens = steps[i]
+    return StepGaps(steps, sg, sh, w, opens)
+
+
+def judge(run: Run, refs: list[Run], window: int | None = None) -> Judgement:
+    """``run`` against the reference seeds ``refs``."""
+    heldout = last = None
+    scored = [r.final_eval.get("loss") if r.final_eval else None for r in [run, *refs]]
+    if all(x is not None for x in scored):
+        heldout = Gap("held-out loss", scored[0] - statistics.fmean(scored[1:]), scored[0],
+                      scored[1:])  # fmt: skip
+    by_step = [sorted(step_losses(r).items()) for r in [run, *refs]]
+    lasts = [last_steps_mean(x) if x else None for x in by_step]
+    if all(x is not None and math.isfinite(x) for x in lasts) and refs:
+        last = Gap("last-steps loss", lasts[0] - statistics.fmean(lasts[1:]), lasts[0], lasts[1:])
+    return Judgement(heldout, last, step_gaps(run, refs, window))
