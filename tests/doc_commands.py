@@ -29,6 +29,21 @@ COMMANDS: dict[str, str] = {
     "norm.reduction_dtype=fp16 precision=fp16-mixed trainer.max_steps=50",
     "report-main": "stabilize-report runs/main/*",
     "map": "stabilize-map",
+    # docs/precision.md: the silent-gap drill (tests/test_silent_gap.py)
+    "gap-refs": "for s in 1234 1235 1236; do stabilize-train experiment=main precision=fp32 "
+    "trainer.max_steps=100 seed=$s run_dir=runs/fp32-$s; done",
+    "gap-planted": "stabilize-train experiment=main precision=fp32 trainer.max_steps=100 "
+    "fault=biased_round fault.site=lm_head fault.bits=1 run_dir=runs/silent",
+    "gap-bf16": "stabilize-train experiment=main trainer.max_steps=100 precision=bf16-mixed "
+    "norm.reduction_dtype=bf16 run_dir=runs/bf16",
+    "gap-judge": "stabilize-gap runs/silent --reference runs/fp32-*",
+    "gap-bisect": "stabilize-replay --gap runs/silent --reference runs/fp32-* --window 40",
+    "gap-fixed": "stabilize-train experiment=main precision=fp32 trainer.max_steps=100 "
+    'fault=biased_round fault.site=lm_head fault.bits=1 "++model.fp32_modules=[lm_head]" '
+    "run_dir=runs/silent-fixed",
+    "gap-bisect-bf16": "stabilize-replay --gap runs/bf16 --reference runs/fp32-*",
+    "gap-tail": "stabilize-replay --tail 0 runs/silent --reference runs/fp32-*",
+    "precision-table": "python scripts/precision_table.py",
     # docs/data.md
     "bench-data": "python scripts/bench_data.py",
     "bench-data-reduced": "python scripts/bench_data.py --mb 40 --small-mb 4 --bpe-mb 4",

@@ -21,6 +21,7 @@ from torch import nn
 
 from stabilize.faults.base import Fault, register_fault
 from stabilize.faults.config import FaultConfig
+from stabilize.model.fp32_sites import is_fp32
 from stabilize.validate import ConfigError
 
 
@@ -70,8 +71,8 @@ class BiasedRound(Fault):
     def _round(self, module, args, out):
         if self.disabled or self.step < self.cfg.step or not self.mine():
             return out
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-            return out
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point() or is_fp32(module):
+            return out  # a site switched to fp32 (model.fp32_modules) rounds nothing
         if module.training:
             self.fired.add(self.step)
         # the value rounded, the gradient passed through as a cast's is (a bit mask has no

@@ -8,7 +8,8 @@ on the whole split. After training, every rank scores its share of *all* the hel
 scored for half an hour after the last step), in the run's
 own precision (the numbers the run would give a user), summing nats, tokens and the UTF-8
 bytes behind the targets; the sums are reduced over ranks and written to
-``final_eval.json``: loss per token and bits per byte, with the counts they came from.
+``final_eval.json``: loss per token and bits per byte, with the counts they came from (and,
+on one rank, each batch's loss: ``batch_loss``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def held_out_score(
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
+    per_batch: list[torch.Tensor] = []  # one rank: each batch's loss (a paired comparison)
     token_bytes = blocks.token_bytes
     t0 = last = time.perf_counter()  # a line every PROGRESS_EVERY_S: a short one says nothing
     try:
@@ -74,6 +76,8 @@ def held_out_score(
                 logits = model(x)
                 nats = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
                 nb = y.numel() if token_bytes is None else token_bytes.to(device)[y].sum()
+                if i < n and world == 1:
+                    per_batch.append(nats.detach().double() / y.numel())
                 if i < n:  # a padding batch's forward is for the shards' gathers only
                     sums += torch.stack(
                         [nats.double(), torch.tensor(float(y.numel()), device=device).double(),
@@ -91,6 +95,8 @@ def held_out_score(
         "held_out_blocks": len(blocks),
         "whole": n == n_all,  # every held-out block scored (not the first final_eval_batches)
         "model_step": module.train_state.model_step,
+        # each batch's loss per token, one rank only (the gap bisection pairs them by batch)
+        "batch_loss": torch.stack(per_batch).tolist() if per_batch else None,
     }
 
 

@@ -12,8 +12,14 @@ def build_model(cfg: GPTConfig):
     if cfg.hf is not None:
         from stabilize.model.hf_arch import build_hf
 
-        return build_hf(cfg)
-    return GPT(cfg)
+        model = build_hf(cfg)
+    else:
+        model = GPT(cfg)
+    if cfg.fp32_modules:  # model.fp32_modules: precision sites switched to fp32
+        from stabilize.model.fp32_sites import apply_fp32_modules
+
+        apply_fp32_modules(model, cfg.fp32_modules)
+    return model
 
 
 __all__ = [

@@ -90,6 +90,10 @@ class GPTConfig:
     norm_sites: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per-norm settings over ``norm``'s: module name -> {reduction_dtype, eps}, e.g.
     {h.1.ln_2: {reduction_dtype: fp32}} (``stabilize-replay --bisect`` prints one)."""
+    fp32_modules: list[str] = field(default_factory=list)
+    """Module paths whose forward runs in fp32 with autocast off (a norm of ours reduces in
+    fp32 too; model/fp32_sites.py), e.g. [lm_head, h.1.attn.c_attn]
+    (``stabilize-replay --gap`` prints one)."""
 
     def __post_init__(self) -> None:
         self.norm = build_dataclass(NormConfig, self.norm, "norm")
@@ -109,6 +113,11 @@ class GPTConfig:
         check_choice("model.activation", self.activation, ACTIVATIONS)
         if self.hf is not None:
             self._check_hf()
+        mods = self.fp32_modules
+        if isinstance(mods, str) or not all(isinstance(p, str) for p in list(mods or [])):
+            raise ValueError(f"model.fp32_modules={mods!r} is not allowed; expected a list of "
+                             "module paths, e.g. [lm_head]")  # fmt: skip
+        self.fp32_modules = list(mods or [])
         self.norm_sites = {str(k): dict(v or {}) for k, v in dict(self.norm_sites or {}).items()}
         for site, kv in self.norm_sites.items():
             for k in kv:

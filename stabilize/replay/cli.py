@@ -3,6 +3,7 @@
     stabilize-replay runs/x/bundles/step-000004-nonfinite            # does it reproduce?
     stabilize-replay --bisect runs/x/bundles/step-000004-overflow    # the norms to switch
     stabilize-replay --data runs/x/bundles/step-000006-nonfinite     # the sequences to skip
+    stabilize-replay --gap runs/bf16 --reference runs/fp32-s0 runs/fp32-s1 runs/fp32-s2
 
 ``core.py`` checks the bundle and replays the step (optionally with norms switched to fp32,
 or with a subset of its sequences); ``bisect.py`` halves over either. Exit 0: it reproduces
@@ -29,10 +30,24 @@ def main(argv: list[str] | None = None) -> int:
                      "step that still fail it; record them (by block index and content hash) "
                      "for the run's resume and print them as a Hydra override; a loader "
                      "we do not own: by its batch, row and content hash")  # fmt: skip
+    how.add_argument("--gap", action="store_true", help="BUNDLE is a run dir: judge its gap "
+                     "to --reference and find the fewest precision sites whose switch to fp32 "
+                     "closes it over a window of replayed steps")  # fmt: skip
+    how.add_argument("--tail", type=int, default=None, metavar="STEP", help="BUNDLE is a run "
+                     "dir: fork it at STEP (a checkpoint of it, 0: its start), train the rest "
+                     "at --reference's precision, say the share of the gap recovered")  # fmt: skip
+    p.add_argument("--reference", type=Path, nargs="+", help="--gap, --tail: the reference's "
+                   "run dirs")  # fmt: skip
+    p.add_argument("--window", type=int, default=None, help="--gap: steps replayed (default "
+                   "50, or to the end)")  # fmt: skip
+    p.add_argument("--share", type=float, default=0.8, help="--gap: the share of the window's "
+                   "gap the sites must close (default 0.8)")  # fmt: skip
     args = p.parse_args(argv)
     from stabilize.replay.bisect import data_main, precision_main
     from stabilize.trust import UntrustedFile
 
+    if args.gap or args.tail is not None:
+        return _gap(p, args)
     try:
         if args.bisect or args.data:
             return (data_main if args.data else precision_main)(args.bundle)
@@ -43,6 +58,35 @@ def main(argv: list[str] | None = None) -> int:
     lines = report(args.bundle, out)
     print("\n".join(lines))
     return 0 if lines[-1].endswith("yes") else 1
+
+
+def _gap(p: argparse.ArgumentParser, args) -> int:
+    from stabilize.replay.gap_bisect import gap_main, tail_main
+
+    bad, flag = None, "--gap" if args.gap else "--tail"
+    if not args.reference:
+        bad = f"{flag} needs --reference REF [REF ...] (the reference's run dirs)"
+    elif args.tail is not None and args.tail < 0:
+        bad = f"--tail={args.tail} is not allowed; must be a model step >= 0"
+    elif args.window is not None and args.window < 1:
+        bad = f"--window={args.window} is not allowed; must be a positive integer"
+    elif not 0 < args.share <= 1:
+        bad = f"--share={args.share} is not allowed; must be in (0, 1]"
+    else:
+        for d in [args.bundle, *args.reference]:
+            if not (d / "config.json").is_file():
+                bad = f"{d}: not a run dir (no config.json)"
+                break
+    if bad:
+        print(f"stabilize-replay: {bad}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.tail is None:
+        return gap_main(args.bundle, args.reference, args.window, args.share)
+    try:
+        return tail_main(args.bundle, args.reference, args.tail)
+    except ValueError as e:
+        print(f"stabilize-replay: {e}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

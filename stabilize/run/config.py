@@ -299,6 +299,12 @@ class RunConfig:
                 f"trainer.compile=true is not allowed with fault.kind={self.fault.kind!r} (its "
                 "factor changes every step and would recompile the model every step)"
             )
+        if self.model.fp32_modules and self.precision.name == "bf16-true":
+            raise ConfigError(
+                f"model.fp32_modules={self.model.fp32_modules} is not allowed with "
+                "precision=bf16-true (its weights are bf16: an fp32 forward needs fp32 "
+                "weights); allowed with: fp32, fp16-mixed, bf16-mixed"
+            )
         red = self.model.norm.reduction_dtype
         sixteen = red in ("bf16", "fp16") or (red == "input" and self.precision.name == "bf16-true")
         if self.trainer.compile and sixteen:

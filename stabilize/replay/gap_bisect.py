@@ -1,0 +1,225 @@
+"""``stabilize-replay --gap RUN --reference REF...``: the fewest precision sites whose switch
+to fp32 closes a run's gap to its reference (issue 37; docs/design-precision.md section 3).
+
+1. The judge (report/gap.py) first: a run whose gap is inside the seed noise has nothing
+   significant to close, and the bisection says so without a replay.
+2. A window of W model steps is replayed from the run's last checkpoint at or before the
+   step the gap opens (its initial state when there is none: the same seed builds the same
+   model), in this process, with the run's own config (``trainer.stop_at_step``: the LR
+   schedule stays the run's), each replay scored on the held-out batches
+   (``final_eval.json``'s ``batch_loss``). Replay A switches nothing; replay B switches
+   every site of the model (``model/fp32_sites.py``: its norms and linear layers) to fp32.
+   The window's gap is G = mean over batches of (A - B), its error the batches' standard
+   error; G within two of them: not a precision gap at these sites.
+3. A set S of sites closes ``(A - S) / G`` of it; ``minimize`` (the norm and data
+   bisections' halving) finds the fewest sites that close >= ``share`` (80%). Replays are
+   counted: A, B, one per halving, a confirmation: at most ceil(log2(sites)) + 3 for one
+   culprit. The override that applies the result: ``++model.fp32_modules=[...]``.
+
+The replays are deterministic (the same state, data order and seeds): what differs between
+them is the switch alone, so their differences need no seed band. The gap itself is also
+given in the judge's units of seed noise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from stabilize.replay.bisect import minimize
+
+
+def _checkpoints(run_dir: Path) -> dict[int, Path]:
+    """The run's step checkpoints by model step (``step-NNNNNN.ckpt``)."""
+    out = {}
+    for p in (run_dir / "checkpoints").glob("step-*.ckpt"):
+        try:
+            out[int(p.stem.split("-")[1])] = p
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+class Window:
+    """Replays of W steps of ``run_dir`` from ``start`` with sets of sites in fp32."""
+
+    def __init__(self, run_dir: Path, start: int, steps: int, work: Path):
+        from stabilize.run.config import RunConfig
+
+        self.saved = json.loads((run_dir / "config.json").read_text())
+        self.cfg = RunConfig.from_saved(self.saved)
+        self.start, self.steps, self.work = start, steps, work
+        self.ckpt = _checkpoints(run_dir).get(start) if start else None
+        self.replays = 0
+        self.last: dict[str, Any] = {}  # the last replay's final_eval.json
+
+    def score(self, fp32: frozenset[str], precision: dict | None = None) -> list[float]:
+        """The held-out batch losses after the window, ``fp32`` switched (``precision``:
+        another ``precision`` section for the window, the tail's)."""
+        from stabilize.run.config import RunConfig
+        from stabilize.lit.runner import run
+
+        self.replays += 1
+        values = json.loads(json.dumps(self.saved))
+        out = self.work / f"replay-{self.replays}"
+        values.update(run_dir=str(out), resume=str(self.ckpt) if self.ckpt else "none")
+        values["model"]["fp32_modules"] = sorted(fp32)
+        if precision is not None:
+            values["precision"] = precision
+        values["logger"].update(wandb=False, csv=False)
+        values["trainer"].update(stop_at_step=self.start + self.steps, progress="none")
+        log = self.work / "replays.log"  # the replays' own output: a line each here instead
+        with open(log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            run(RunConfig.from_saved(values))
+        score = self.last = json.loads((out / "final_eval.json").read_text())
+        which = "nothing" if not fp32 else f"{len(fp32)} site{'s' if len(fp32) > 1 else ''}"
+        prec = "" if precision is None else f" under {precision['name']}"
+        print(f"  replay {self.replays}: steps {self.start}-{self.start + self.steps} with "
+              f"{which} in fp32{prec}: held-out loss {score['loss']:.4f}", flush=True)  # fmt: skip
+        shutil.rmtree(out, ignore_errors=True)
+        if not score.get("batch_loss"):
+            raise ValueError("the replay's held-out score has no per-batch losses")
+        return score["batch_loss"]
+
+
+def _paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """mean(a - b) over the batches and its standard error."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+    return statistics.fmean(d), se
+
+
+def gap_bisect(run_dir: Path, refs: list[Path], window: int | None = None, share: float = 0.8,
+               work: Path | None = None, judged=None) -> dict[str, Any]:  # fmt: skip
+    """The judge, then the bisection (see the module doc); a dict of what was found.
+    ``judged(lines)``: called with the judge's lines before any replay."""
+    from stabilize.model import build_model
+    from stabilize.model.fp32_sites import sites
+    from stabilize.report.gap import judge
+    from stabilize.report.load import load_run_dir
+
+    j = judge(load_run_dir(run_dir), [load_run_dir(r) for r in refs])
+    out: dict[str, Any] = {"judge": j.lines(), "real": j.primary.real if j.primary else None,
+                           "replays": 0, "culprits": None}  # fmt: skip
+    if judged is not None:
+        judged(out["judge"])
+    if not out["real"]:
+        return out
+    steps = int(json.loads((run_dir / "config.json").read_text())["trainer"]["max_steps"])
+    opens = j.steps.opens_at or steps
+    start = max((s for s in _checkpoints(run_dir) if s < opens), default=0)
+    w = window or min(steps - start, 50)
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        win = Window(run_dir, start, w, Path(tmp))
+        all_sites = sites(build_model(win.cfg.model))
+        out.update(start=start, window=w, sites=all_sites)
+        a = win.score(frozenset())
+        b = win.score(frozenset(all_sites))
+        g, se = _paired(a, b)
+        out.update(gap=g, gap_se=se, noise=j.primary.noise)
+        if g <= 2 * se:
+            out.update(replays=win.replays, culprits=[])
+            return out
+        scores: dict[frozenset, list[float]] = {frozenset(): a, frozenset(all_sites): b}
+
+        def losses(subset: frozenset) -> list[float]:
+            if subset not in scores:
+                scores[subset] = win.score(subset)
+            return scores[subset]
+
+        def closes(subset: frozenset) -> bool:
+            return _paired(a, losses(subset))[0] / g >= share
+
+        found = sorted(minimize(all_sites, closes), key=all_sites.index)
+        closed, closed_se = _paired(a, losses(frozenset(found)))
+        out.update(replays=win.replays, culprits=found, closed=closed / g,
+                   closed_se=closed_se / g)  # fmt: skip
+    return out
+
+
+def override(culprits: list[str]) -> str:
+    """The Hydra override that runs exactly those sites in fp32."""
+    return "++model.fp32_modules=[" + ",".join(culprits) + "]"
+
+
+def gap_main(run_dir: Path, refs: list[Path], window: int | None, share: float) -> int:
+    print(f"gap of {run_dir} to {len(refs)} reference seed(s):", flush=True)
+    b = gap_bisect(run_dir, refs, window, share, judged=lambda lines: print(
+        "\n".join(f"  {line}" for line in lines), flush=True))  # fmt: skip
+    if not b["real"]:
+        print("gap bisection: nothing significant to close (the run's gap is not a real gap "
+              "against the reference's seed noise)")  # fmt: skip
+        return 1
+    n, w = len(b["sites"]), b["window"]
+    bound = math.ceil(math.log2(n)) + 3 if n > 1 else 3
+    head = (f"gap bisection over {n} sites, {b['replays']} window replays (bound "
+            f"ceil(log2 {n}) + 3 = {bound}), steps {b['start']}-{b['start'] + w}")  # fmt: skip
+    gap = f"{b['gap']:+.4f} +- {b['gap_se']:.4f} nats held out"
+    if b["noise"]:
+        gap += f", {b['gap'] / b['noise']:+.1f} sigma of seed noise"
+    if not b["culprits"]:
+        print(f"{head}: every site in fp32 changes the window's score by {gap}: not a "
+              "precision gap at these sites (nothing to close)")  # fmt: skip
+        return 1
+    print(f"{head}: the window's gap is {gap}; fp32 at {', '.join(b['culprits'])} closes "
+          f"{100 * b['closed']:.0f}% +- {100 * b['closed_se']:.0f}% of it "
+          f"(target {100 * share:.0f}%)")  # fmt: skip
+    print(f'run with: "{override(b["culprits"])}"')
+    return 0
+
+
+# ---- the tail counterfactual: the rest of the run at the reference's precision ---------------
+def tail(run_dir: Path, refs: list[Path], start: int) -> dict[str, Any]:
+    """Fork the run at model step ``start`` (a step checkpoint of it, or 0: its initial
+    state) and train to its end at the reference's precision (its ``precision`` section,
+    every site in fp32, so no emulated rounding either); the share of the run's held-out gap
+    to the reference mean that this recovers, ``(run - tail) / (run - reference)``, with its
+    error from the reference's seed noise."""
+    from stabilize.model import build_model
+    from stabilize.model.fp32_sites import sites
+
+    run_score = json.loads((run_dir / "final_eval.json").read_text())["loss"]
+    ref_scores = [json.loads((r / "final_eval.json").read_text())["loss"] for r in refs]
+    ref_precision = json.loads((refs[0] / "config.json").read_text())["precision"]
+    steps = int(json.loads((run_dir / "config.json").read_text())["trainer"]["max_steps"])
+    if start and start not in _checkpoints(run_dir):
+        have = sorted(_checkpoints(run_dir))
+        raise ValueError(f"--from={start} is not allowed: the run has no checkpoint at that "
+                         f"step; allowed: 0 (its initial state) or {have}")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        win = Window(run_dir, start, steps - start, Path(tmp))
+        every = frozenset(sites(build_model(win.cfg.model)))
+        win.score(every, ref_precision)
+        forked = win.last["loss"]  # per token over the split, as the run's own score
+    ref = statistics.fmean(ref_scores)
+    gap = run_score - ref
+    noise = statistics.stdev(ref_scores) * math.sqrt(1 + 1 / len(ref_scores))
+    return {
+        "start": start,
+        "end": steps,
+        "run": run_score,
+        "tail": forked,
+        "reference": ref,
+        "share": (run_score - forked) / gap if gap else None,
+        "share_se": noise / abs(gap) if gap else None,
+        "precision": ref_precision["name"],
+    }
+
+
+def tail_main(run_dir: Path, refs: list[Path], start: int) -> int:
+    t = tail(run_dir, refs, start)
+    head = (f"tail counterfactual: steps {t['start']}-{t['end']} retrained at the reference's "
+            f"precision ({t['precision']}, every site in fp32)")  # fmt: skip
+    if t["share"] is None:
+        print(f"{head}: the run scores as the reference's mean, no gap to recover")
+        return 1
+    print(f"{head}: held-out loss {t['tail']:.4f} against the run's {t['run']:.4f} and the "
+          f"reference's mean {t['reference']:.4f}: it recovers {100 * t['share']:.0f}% +- "
+          f"{100 * t['share_se']:.0f}% of the gap (+- one reference seed's noise)")  # fmt: skip
+    return 0

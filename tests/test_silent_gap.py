@@ -1,0 +1,109 @@
+"""Issue 37, "Done when" 1-3: docs/precision.md's commands as written, on real runs of the
+main job's config (100 steps, fp32, three reference seeds). The planted silent fault
+(``biased_round`` at the head, 1 mantissa bit, no NaN anywhere) is judged a real gap and
+bisected to exactly its site within the bound, and the printed override closes the gap; a
+healthy bf16 run is inside the noise and names no culprit; the tail counterfactual from the
+start recovers the whole gap, by construction: it is then the seed-1234 fp32 reference run,
+bit for bit. Every figure is recomputed here by hand from the runs' own files."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+
+import pytest
+from doc_commands import doc_command
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow  # ~4 minutes on 2 cores: six runs, ten window replays
+
+SEEDS = (1234, 1235, 1236)
+
+
+def _sh(cmd: str, cwd, ok=(0,)) -> str:
+    r = run_cli(["bash", "-c", cmd], cwd=cwd, timeout=900)
+    assert r.returncode in ok, (cmd, r.stdout[-2000:], r.stderr[-3000:])
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory):
+    root = tmp_path_factory.mktemp("silent")
+    for name in ("gap-refs", "gap-planted", "gap-bf16"):
+        _sh(doc_command(name), root)
+    return root
+
+
+def _loss(d) -> float:
+    return json.loads((d / "final_eval.json").read_text())["loss"]
+
+
+def _refs(root) -> list[float]:
+    return [_loss(root / "runs" / f"fp32-{s}") for s in SEEDS]
+
+
+def test_the_planted_gap_is_real_and_bisected_to_its_site(drill):
+    refs, run = _refs(drill), _loss(drill / "runs" / "silent")
+    gap, noise = run - statistics.fmean(refs), statistics.stdev(refs) * math.sqrt(4 / 3)
+    assert gap > 4.303 * noise  # outside the 3 seeds' 95% band: a real gap, by hand
+    out = _sh(doc_command("gap-judge"), drill).splitlines()
+    assert out[1] == (f"  held-out loss {gap:+.4f} nats, {gap / noise:+.1f} sigma of seed "
+                      f"noise: a real gap (the 3-seed band is +-{4.303 * noise:.4f})")  # fmt: skip
+    saved = json.loads((drill / "runs" / "silent" / "gap" / "gap.json").read_text())
+    assert saved["real"] is True and saved["sigma"] == pytest.approx(gap / noise)
+    out = _sh(doc_command("gap-bisect"), drill).splitlines()
+    head = r"gap bisection over 14 sites, (\d) window replays \(bound ceil\(log2 14\) \+ 3 = 7\)"
+    found = re.match(head + r", steps 0-40: .* fp32 at lm_head closes (\d+)% ", out[-2])
+    assert found, out[-2]
+    assert int(found[1]) <= 7 and int(found[2]) >= 80
+    assert out[-1] == 'run with: "++model.fp32_modules=[lm_head]"'
+    assert out[-1][11:-1] in doc_command("gap-fixed")  # the docs' command applies it
+    _sh(doc_command("gap-fixed"), drill)
+    fixed = _loss(drill / "runs" / "silent-fixed")
+    # fp32 everywhere and the head's rounding gone: the seed-1234 reference, bit for bit
+    assert fixed == refs[0] and (run - fixed) / (run - refs[0]) == 1.0
+
+
+def test_a_healthy_bf16_run_is_inside_the_noise_and_names_no_culprit(drill):
+    refs = _refs(drill)
+    gap = _loss(drill / "runs" / "bf16") - statistics.fmean(refs)
+    assert abs(gap) <= 4.303 * statistics.stdev(refs) * math.sqrt(4 / 3)  # by hand: inside
+    out = _sh(doc_command("gap-bisect-bf16"), drill, ok=(1,))
+    assert "inside the noise" in out and "replay 1" not in out
+    assert "gap bisection: nothing significant to close" in out
+
+
+def test_the_tail_from_the_start_recovers_the_whole_gap(drill):
+    refs, run = _refs(drill), _loss(drill / "runs" / "silent")
+    out = _sh(doc_command("gap-tail"), drill).splitlines()
+    share = (run - refs[0]) / (run - statistics.fmean(refs))
+    se = statistics.stdev(refs) * math.sqrt(4 / 3) / abs(run - statistics.fmean(refs))
+    # from step 0 in fp32 with the rounding gone, the tail is the seed-1234 reference run
+    assert out[-1].startswith(
+        f"tail counterfactual: steps 0-100 retrained at the reference's precision (fp32, every "
+        f"site in fp32): held-out loss {refs[0]:.4f} against the run's {run:.4f}"
+    )
+    assert f"it recovers {100 * share:.0f}% +- {100 * se:.0f}% of the gap" in out[-1]
+    assert abs(share - 1) <= 2 * se  # all of it, up to one seed's noise
+
+
+def test_the_precision_table_script_writes_its_block(tmp_path):
+    """docs/precision.md's table script, shrunk to the planted run alone, into a copy of
+    the doc: its row judges, bisects and forks the run as the commands above do."""
+    from conftest import ROOT
+
+    doc = tmp_path / "precision.md"
+    doc.write_text((ROOT / "docs" / "precision.md").read_text())
+    cmd = doc_command("precision-table").replace("python", "$PYTHON", 1)
+    _sh(f"{cmd} --runs lm_head:1 --doc {doc}", ROOT)
+    text = doc.read_text()
+    block = text[
+        text.index("<!-- precision-table:begin -->") : text.index("<!-- precision-table:end -->")
+    ]
+    (row,) = [line for line in block.splitlines() if line.startswith("| `lm_head`")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == "a real gap" and cells[4].startswith("lm_head closes"), cells
+    assert "python scripts/precision_table.py --runs lm_head:1" in block
