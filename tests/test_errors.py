@@ -85,6 +85,13 @@ CASES = [
     (["optim.schedule=step"], ["optim.schedule='step'", "'cosine'"]),
     (["logger.mode=loud"], ["logger.mode='loud'", "'offline'"]),
     (["logger.layer_panels=-2"], ["logger.layer_panels=-2", "integer >= -1"]),
+    (["model.fp32_modules=[nope]"], ["model.fp32_modules: 'nope' is not allowed", "'h.0.ln_1'"]),
+    (
+        ["model.fp32_modules=[lm_head]", "precision=bf16-true"],
+        ["model.fp32_modules=['lm_head'] is not allowed with precision=bf16-true", "bf16-mixed"],
+    ),
+    (["fault=biased_round", "fault.site=h.9"], ["fault.site='h.9' is not a module", "'h.0.ln_1'"]),
+    (["fault=biased_round", "fault.bits=30"], ["fault.bits=30 is not allowed", "[0, 22]"]),
     (["optim.accumulate_grad_batches=0"], ["optim.accumulate_grad_batches=0", "positive integer"]),
     (["trainer.compile=true", "norm.reduction_dtype=fp16"], ["trainer.compile=true", "'fp32'"]),
     (["model.block_size=-1"], ["model.block_size=-1", "positive integer"]),

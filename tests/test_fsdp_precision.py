@@ -49,6 +49,7 @@ FP16 += [f"fault.param={BLOCK}", "trainer.checkpoint_every_n_steps=3"]
 FP16 += ["rollback.durable_every=0", "trainer.final_eval_batches=1"]  # time: not tested here
 
 
+@pytest.mark.slow  # 24 s; FSDP's rollback on two ranks stays in the default suite (test_fsdp)
 def test_fp16_under_fsdp_skips_an_inf_step_on_every_rank_like_one_process(tmp_path):
     """An inf on rank 1 at step 3 lands in rank 0's gradient shard: both ranks skip step 3
     (their shards unchanged across it) and halve the scale, and the run's losses are those

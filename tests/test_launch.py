@@ -130,6 +130,7 @@ def test_resume_from_missing_file_is_a_clear_error(resume, tmp_path):
     assert resolve_resume("auto", tmp_path) is None
 
 
+@pytest.mark.slow  # 14 s; exit 3 of one process stays in the default suite (test_stability)
 def test_launch_keeps_exit_code_3_of_a_stability_abort_on_two_ranks(tmp_path):
     """A persistent fault exhausts the ladder on every rank: launch.sh exits 3 (torchrun
     alone exits 1 with a ChildFailedError traceback), with the diagnosis and one summary."""

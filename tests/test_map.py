@@ -137,6 +137,7 @@ def test_a_small_map_runs_through_multirun_marks_the_divergent_cell_and_skips_on
     importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
     reason="hydra-submitit-launcher is not installed",
 )
+@pytest.mark.slow  # 17 s; the map's cells through joblib stay in the default suite
 def test_submitits_local_executor_runs_a_cell(tmp_path):
     spec = SPEC.replace("lr: {min: 1.0e-3, max: 1.0, n: 2}", "lr: {min: 1.0e-3, max: 1.0e-3, n: 1}")
     spec = spec.replace("  layernorm-qknorm: [norm=layernorm, norm.qk_norm=true]\n", "")

@@ -14,7 +14,7 @@ weights) a switch is refused, since an fp32 forward needs fp32 weights.
 
 from __future__ import annotations
 
-import functools
+import types
 
 import torch
 from torch import nn
@@ -30,19 +30,21 @@ def _fp32(x):
     return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
+def _fp32_forward(self, *args, **kwargs):
+    """The class's forward with autocast off on fp32 inputs (bound to the module: a deep
+    copy of the module binds it to the copy)."""
+    dev = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    with torch.autocast(dev, enabled=False):
+        return type(self).forward(
+            self, *map(_fp32, args), **{k: _fp32(v) for k, v in kwargs.items()}
+        )
+
+
 def run_in_fp32(module: nn.Module) -> None:
     """``module``'s forward from now on: autocast off, floating inputs cast to fp32."""
     if is_fp32(module):
         return
-    inner = module.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        dev = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-        with torch.autocast(dev, enabled=False):
-            return inner(*map(_fp32, args), **{k: _fp32(v) for k, v in kwargs.items()})
-
-    module.forward = forward
+    module.forward = types.MethodType(_fp32_forward, module)
     setattr(module, FLAG, True)
     if hasattr(module, "reduction_dtype"):  # our Norm: its explicit reduction too
         module.reduction_dtype = "fp32"

@@ -62,8 +62,8 @@ class Window:
     def score(self, fp32: frozenset[str], precision: dict | None = None) -> list[float]:
         """The held-out batch losses after the window, ``fp32`` switched (``precision``:
         another ``precision`` section for the window, the tail's)."""
-        from stabilize.run.config import RunConfig
         from stabilize.lit.runner import run
+        from stabilize.run.config import RunConfig
 
         self.replays += 1
         values = json.loads(json.dumps(self.saved))

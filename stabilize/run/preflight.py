@@ -36,6 +36,7 @@ import torch
 from stabilize.data import build_dataloaders
 from stabilize.faults import fault_class
 from stabilize.model import GPT
+from stabilize.model.fp32_sites import apply_fp32_modules
 from stabilize.run.config import RunConfig
 from stabilize.trust import UntrustedFile, check_dcp_index, torch_load
 from stabilize.validate import ConfigError
@@ -91,7 +92,11 @@ def preflight(cfg: RunConfig) -> None:
     check_fault_rank(cfg, world)
     with config_errors(), torch.device("meta"):
         model = GPT(cfg.model)
+        if cfg.model.hf is None:  # model.fp32_modules: paths of this model (a HF one: at build)
+            apply_fp32_modules(model, cfg.model.fp32_modules)
     check_fault_param(cfg, [name for name, _ in model.named_parameters()])
+    if cfg.model.hf is None:
+        check_fault_site(cfg, [name for name, _ in model.named_modules()])
     check_data(cfg, world)
 
 
@@ -142,6 +147,16 @@ def check_fault_rank(cfg: RunConfig, world: int) -> None:
             f"fault.rank={rank} is not allowed in a launch of {world} process(es) (the fault "
             f"would never fire); allowed: null (every rank) or 0 .. {world - 1}"
         )
+
+
+def check_fault_site(cfg: RunConfig, names: list[str]) -> None:
+    """``fault.site`` (``biased_round``): a module path of the model."""
+    site = getattr(cfg.fault, "site", None)
+    if site is None or site in names:
+        return
+    shown = [n for n in names if n and (not n.startswith("h.") or n.startswith("h.0."))]
+    raise ConfigError(f"fault.site={site!r} is not a module of the model; allowed: e.g. "
+                      f"{shown[:16]} (and the same under the other blocks)")  # fmt: skip
 
 
 def check_fault_param(cfg: RunConfig, names: list[str]) -> None:
