@@ -107,7 +107,7 @@ COMMANDS: dict[str, str] = {
     "bisect-guard": "stabilize-replay --bisect runs/guard/bundles/step-000005-activation",
     "train-hf": "stabilize-train model=hf norm.reduction_dtype=fp16 precision=fp16-mixed "
     "trainer.max_steps=20",
-    "bench-your-model": "python scripts/bench_your_model.py --rounds 24",
+    "bench-your-model": "python scripts/bench_your_model.py --rounds 64",
     "scenario-hf": "scripts/repro_nan.sh --arms reference,baseline --reference-seeds 2 -- "
     "model=hf model.hf.arch=llama",
 }

@@ -92,6 +92,7 @@ CASES = [
     ),
     (["fault=biased_round", "fault.site=h.9"], ["fault.site='h.9' is not a module", "'h.0.ln_1'"]),
     (["fault=biased_round", "fault.bits=30"], ["fault.bits=30 is not allowed", "[0, 22]"]),
+    (["optim.state_dtype=fp8"], ["optim.state_dtype='fp8'", "'bf16'"]),
     (["optim.accumulate_grad_batches=0"], ["optim.accumulate_grad_batches=0", "positive integer"]),
     (["trainer.compile=true", "norm.reduction_dtype=fp16"], ["trainer.compile=true", "'fp32'"]),
     (["model.block_size=-1"], ["model.block_size=-1", "positive integer"]),

@@ -31,6 +31,7 @@ from torch import nn
 from stabilize.compat import scaler_scale, uncount_batch
 from stabilize.data import bits_per_byte, build_dataloaders, share_skips
 from stabilize.lit.fsdp import full_norm, shard_model
+from stabilize.lit.optim_state import round_moments_to_bf16
 from stabilize.lit.saved_state import restore_state, saved_state
 from stabilize.model import build_model, set_activation_checkpointing
 from stabilize.model.logits import lm_loss
@@ -416,6 +417,8 @@ class GPTLitModule(L.LightningModule):
             betas=(o.beta1, o.beta2),
             eps=o.eps,
         )
+        if o.state_dtype == "bf16":  # a 16-bit optimizer state, emulated (issue 37)
+            opt.register_step_post_hook(round_moments_to_bf16)
         # The LR is a function of the *model's* step, not of how often the scheduler was
         # stepped: Lightning steps it once per loop iteration, including replays after a
         # rollback, and a restored scheduler counter would drift from model_step.

@@ -28,11 +28,21 @@ import json
 import math
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from stabilize.replay.bisect import minimize
+
+OPTIM_STATE = "optim.state"  # a site of the run, not of a module: optim.state_dtype
+RUN_SITES = (OPTIM_STATE,)
+
+
+def run_sites(cfg) -> list[str]:
+    """The run's precision sites besides the model's modules: the optimizer's state when
+    it is not fp32."""
+    return [OPTIM_STATE] if cfg.optim.state_dtype != "fp32" else []
 
 
 def _checkpoints(run_dir: Path) -> dict[int, Path]:
@@ -69,14 +79,20 @@ class Window:
         values = json.loads(json.dumps(self.saved))
         out = self.work / f"replay-{self.replays}"
         values.update(run_dir=str(out), resume=str(self.ckpt) if self.ckpt else "none")
-        values["model"]["fp32_modules"] = sorted(fp32)
+        values["model"]["fp32_modules"] = sorted(set(fp32) - set(RUN_SITES))
+        if OPTIM_STATE in fp32:  # the optimizer's state back at fp32
+            values["optim"]["state_dtype"] = "fp32"
         if precision is not None:
             values["precision"] = precision
         values["logger"].update(wandb=False, csv=False)
         values["trainer"].update(stop_at_step=self.start + self.steps, progress="none")
         log = self.work / "replays.log"  # the replays' own output: a line each here instead
-        with open(log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            run(RunConfig.from_saved(values))
+        try:
+            with open(log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                run(RunConfig.from_saved(values))
+        except BaseException:  # what the replay printed, before its traceback
+            print("".join(log.read_text().splitlines(True)[-20:]), file=sys.stderr)
+            raise
         score = self.last = json.loads((out / "final_eval.json").read_text())
         which = "nothing" if not fp32 else f"{len(fp32)} site{'s' if len(fp32) > 1 else ''}"
         prec = "" if precision is None else f" under {precision['name']}"
@@ -114,10 +130,10 @@ def gap_bisect(run_dir: Path, refs: list[Path], window: int | None = None, share
     steps = int(json.loads((run_dir / "config.json").read_text())["trainer"]["max_steps"])
     opens = j.steps.opens_at or steps
     start = max((s for s in _checkpoints(run_dir) if s < opens), default=0)
-    w = window or min(steps - start, 50)
+    w = min(window or 50, steps - start)
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         win = Window(run_dir, start, w, Path(tmp))
-        all_sites = sites(build_model(win.cfg.model))
+        all_sites = sites(build_model(win.cfg.model)) + run_sites(win.cfg)
         out.update(start=start, window=w, sites=all_sites)
         a = win.score(frozenset())
         b = win.score(frozenset(all_sites))
@@ -194,7 +210,7 @@ def tail(run_dir: Path, refs: list[Path], start: int) -> dict[str, Any]:
                          f"step; allowed: 0 (its initial state) or {have}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         win = Window(run_dir, start, steps - start, Path(tmp))
-        every = frozenset(sites(build_model(win.cfg.model)))
+        every = frozenset(sites(build_model(win.cfg.model)) + run_sites(win.cfg))
         win.score(every, ref_precision)
         forked = win.last["loss"]  # per token over the split, as the run's own score
     ref = statistics.fmean(ref_scores)

@@ -65,9 +65,13 @@ class OptimConfig:
     """Max global grad norm; 0 turns clipping off."""
     accumulate_grad_batches: int = 1
     """Micro-batches per optimizer step."""
+    state_dtype: str = "fp32"
+    """fp32 | bf16: AdamW's moments stored at bf16's precision, rounded after each step
+    (lit/optim_state.py): a precision site (docs/precision.md)."""
 
     def __post_init__(self) -> None:
         check_positive("optim.lr", self.lr)
+        check_choice("optim.state_dtype", self.state_dtype, ("fp32", "bf16"))
         check_range("optim.weight_decay", self.weight_decay, 0.0, 10.0)
         check_range("optim.beta1", self.beta1, 0.0, 1.0)
         check_range("optim.beta2", self.beta2, 0.0, 1.0)
