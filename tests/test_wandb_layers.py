@@ -80,3 +80,9 @@ def test_a_deep_models_layers_are_hidden_from_auto_panels_and_drawn_one_chart_ea
         assert [s for s, _ in got] == [steps[0], steps[4]], got
         for s, v in got:
             assert v == pytest.approx(cols[k][s], rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [-2, "24", 2.5, True])
+def test_a_bad_layer_panels_is_refused_in_one_line(bad):
+    with pytest.raises(ValueError, match=r"layer_panels=.* is not allowed; must be an integer"):
+        stabilize.StabilityCallback(layer_panels=bad)

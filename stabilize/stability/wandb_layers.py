@@ -35,6 +35,9 @@ def layer_order(key: str) -> list:
 
 class LayerPanels:
     def __init__(self, limit: int = 24, points: int = 512):
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < -1:
+            raise ValueError(f"layer_panels={limit!r} is not allowed; must be an integer >= -1 "
+                             "(-1: never group)")  # fmt: skip
         self.limit, self.points = limit, points
         self.keys: dict[str, set[str]] = {}  # prefix -> the keys seen under it
         self.hidden: set[str] = set()
@@ -92,7 +95,12 @@ class LayerPanels:
                 title=f"{prefix}: every layer ({len(keys)} series)",
                 xname="step",
             )
-        for exp in exps:
-            exp.log(charts)
         self.series = {}  # logged once
+        for exp in exps:
+            try:  # a chart W&B could not take never fails the run that made it
+                exp.log(charts)
+            except Exception as e:  # noqa: BLE001
+                print(f"[stability] W&B per-layer charts not logged: {type(e).__name__}: {e}",
+                      flush=True)  # fmt: skip
+                return []
         return sorted(charts)
