@@ -26,6 +26,7 @@ from stabilize.bench.lib import compose_cfg
 from stabilize.replay.gap_bisect import gap_bisect, tail
 from stabilize.report.gap import judge
 from stabilize.report.load import load_run_dir
+from stabilize.report.markdown import table
 from stabilize.train import run
 
 SEEDS = (1234, 1235, 1236)
@@ -40,7 +41,7 @@ def arm(spec: str) -> tuple[str, list[str]]:
     if not site or not bits.isdigit():
         sys.exit(f"precision_table.py: --runs item {spec!r} is not allowed; allowed: "
                  "SITE:BITS (e.g. lm_head:1) or bf16")  # fmt: skip
-    return f"`{site}` rounded toward zero, {bits} bit(s)", [
+    return f"{site} rounded toward zero, {bits} bit(s)", [
         "precision=fp32",
         "fault=biased_round",
         f"fault.site={site}",
@@ -88,8 +89,7 @@ def main() -> int:
                 t = tail(d, refs, 0)
                 rec = f"{100 * t['share']:.0f}% +- {100 * t['share_se']:.0f}%"
             rows.append([words, f"{g.value:+.4f}", f"{g.sigma:+.1f} sigma", said, bis, rec])
-    md = "\n".join("| " + " | ".join(r) + " |" for r in [rows[0], ["---"] * len(rows[0]),
-                                                         *rows[1:]])  # fmt: skip
+    md = table(rows)
     cmd = "python scripts/precision_table.py " + shlex.join(sys.argv[1:])
     body = (f"Measured at {commit()} on {cpu()}, {args.threads} threads, with `{cmd.strip()}`: "
             f"the main job's config, {args.steps} steps, references in fp32 with seeds "

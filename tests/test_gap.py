@@ -12,7 +12,7 @@ from stabilize.report.load import Run
 
 
 def _run(name: str, losses: dict[int, float], heldout: float | None = None) -> Run:
-    rows = [{"x": float(s), "train/step": float(s), "train/loss_step": v}
+    rows = [{"x": float(s), "train/step": float(s), "train/loss": v}
             for s, v in sorted(losses.items())]  # fmt: skip
     return Run(name=name, arm=name, config={}, rows=rows,
                final_eval=None if heldout is None else {"loss": heldout})  # fmt: skip

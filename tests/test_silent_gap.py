@@ -103,7 +103,7 @@ def test_the_precision_table_script_writes_its_block(tmp_path):
     block = text[
         text.index("<!-- precision-table:begin -->") : text.index("<!-- precision-table:end -->")
     ]
-    (row,) = [line for line in block.splitlines() if line.startswith("| `lm_head`")]
+    (row,) = [line for line in block.splitlines() if line.startswith("| lm_head rounded")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[3] == "a real gap" and cells[4].startswith("lm_head closes"), cells
     assert "python scripts/precision_table.py --runs lm_head:1" in block

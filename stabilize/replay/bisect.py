@@ -130,11 +130,10 @@ def rows_of(batch: Any) -> int:
 
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 0
-    parts = batch.values() if isinstance(batch, dict) else batch
-    if isinstance(parts, (list, tuple)) or isinstance(batch, dict):
-        for v in parts:
-            if n := rows_of(v):
-                return n
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return next((n for n in map(rows_of, batch) if n), 0)
     return 0
 
 

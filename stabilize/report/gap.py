@@ -68,8 +68,8 @@ class Gap:
             return None
         return abs(self.value) > self.half
 
-    def words(self, unit: str = "nats") -> str:
-        head = f"{self.score} {self.value:+.4f} {unit}"
+    def words(self) -> str:
+        head = f"{self.score} {self.value:+.4f} nats"
         if self.n < MIN_SEEDS:
             return (f"{head}: {self.n} reference seed{'s' if self.n != 1 else ''}, at least "
                     f"{MIN_SEEDS} are needed to measure seed noise")  # fmt: skip
@@ -116,13 +116,13 @@ class Judgement:
 
 
 def step_losses(run: Run) -> dict[int, float]:
-    """The training loss by model step, every step where the run logged it (the last value
-    of a step, i.e. the one that stuck after a rollback)."""
-    key = "train/loss_step" if any("train/loss_step" in r for r in run.rows) else "train/loss"
+    """The training loss by model step, every step where the run logged it (``load.py``
+    reads ``train/loss_step`` as ``train/loss``; a step's last value, i.e. the one that
+    stuck after a rollback)."""
     out: dict[int, float] = {}
     for r in run.rows:
-        if key in r and "train/step" in r and math.isfinite(r[key]):
-            out[int(r["train/step"])] = r[key]
+        if "train/loss" in r and "train/step" in r and math.isfinite(r["train/loss"]):
+            out[int(r["train/step"])] = r["train/loss"]
     return out
 
 

@@ -206,15 +206,15 @@ def judge(arms: list[ArmSummary], fs: list[Facts]) -> tuple[Reference | None, li
         v = Verdict(a.arm, stopped, gap_bpb, gap_loss, inside, hides(a, f), grad_nan=grad_nan,
                     in_window=there, allowance=allowance, window=window,
                     dies=a.dead)  # fmt: skip
-        if ref is not None and gap_bpb is not None:
-            v.sigma_bpb = Gap("held-out", gap_bpb, a.heldout_bpb, ref.bpb).sigma
+        held = Gap("held-out", gap_bpb, a.heldout_bpb, ref.bpb) if gap_bpb is not None else None
+        if held is not None:
+            v.sigma_bpb = held.sigma
         if ref is not None and gap_loss is not None and math.isfinite(gap_loss):
             v.sigma_loss = Gap("last-steps", gap_loss, a.final_loss, ref.loss).sigma
         if a.precision.startswith("bf16") and v.sigma_bpb is not None and not a.dead:
-            g = Gap("held-out", gap_bpb, a.heldout_bpb, ref.bpb)
-            said = "a real gap" if g.real else "inside the noise"
+            said = "a real gap" if held.real else "inside the noise"
             gap = (f"a held-out gap of {gap_bpb:+.3f} bpb to the reference, "
-                   f"{g.sigma:+.1f} sigma of seed noise ({said})")  # fmt: skip
+                   f"{held.sigma:+.1f} sigma of seed noise ({said})")  # fmt: skip
             v.hides = "; ".join(x for x in (v.hides, gap) if x)
         v.label, v.words = words(a, f, v, ref)
         out.append(v)
