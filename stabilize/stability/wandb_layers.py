@@ -25,7 +25,7 @@ import math
 import re
 from typing import Any
 
-ALWAYS_SHOWN = ("train", "stability", "perf", "val", "trainer")  # not per-layer prefixes
+ALWAYS_SHOWN = ("train", "stability")  # the sink's own scalars: not per-layer
 
 
 def layer_order(key: str) -> list:
