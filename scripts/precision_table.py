@@ -8,7 +8,11 @@ Every run is composed with Hydra as the CLI does and trained in this process, on
 time. The block it writes names the commit, the CPU, the threads and this command.
 
 Usage: python scripts/precision_table.py [--steps 100] [--window 40] [--threads 2]
-       [--runs lm_head:1,h.1:1,bf16] [--doc docs/precision.md] [--out DIR]
+       [--runs lm_head:1,h.1:1,bf16,pure-bf16] [--set KEY=VALUE ...]
+       [--doc docs/precision.md] [--block precision-table] [--out DIR]
+
+``--set``: overrides for every run, the references included (e.g. optim.lr=3e-5); ``--block``:
+the marked block of the doc it rewrites.
 """
 
 from __future__ import annotations
@@ -33,14 +37,18 @@ SEEDS = (1234, 1235, 1236)
 
 
 def arm(spec: str) -> tuple[str, list[str]]:
-    """``site:bits`` (a planted biased rounding) or ``bf16`` (the main job's bf16 arm)."""
+    """``site:bits`` (a planted biased rounding), ``bf16`` (the main job's bf16 arm) or
+    ``pure-bf16`` (bf16 weights with no fp32 master, bf16 AdamW moments, the loss in bf16)."""
+    if spec == "pure-bf16":
+        return "pure bf16: bf16 weights and moments, no master, bf16 loss", [
+            "precision=bf16-true", "model.loss_dtype=logits"]  # fmt: skip
     if spec == "bf16":
         return "bf16-mixed, bf16 norm reductions", ["precision=bf16-mixed",
                                                      "norm.reduction_dtype=bf16"]  # fmt: skip
     site, _, bits = spec.partition(":")
     if not site or not bits.isdigit():
         sys.exit(f"precision_table.py: --runs item {spec!r} is not allowed; allowed: "
-                 "SITE:BITS (e.g. lm_head:1) or bf16")  # fmt: skip
+                 "SITE:BITS (e.g. lm_head:1), bf16 or pure-bf16")  # fmt: skip
     return f"{site} rounded toward zero, {bits} bit(s)", [
         "precision=fp32",
         "fault=biased_round",
@@ -54,14 +62,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--window", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", default="lm_head:1,h.1:1,bf16")
+    ap.add_argument("--runs", default="lm_head:1,h.1:1,bf16,pure-bf16")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="overrides for every run, the references included")  # fmt: skip
     ap.add_argument("--doc", type=Path, default=Path("docs/precision.md"))
+    ap.add_argument("--block", default="precision-table")
     ap.add_argument("--out", type=Path, default=None, help="run dirs (default: a temp dir)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     arms = [(spec, *arm(spec)) for spec in args.runs.split(",")]
     base = ["experiment=main", f"trainer.max_steps={args.steps}", "trainer.progress=none",
-            "logger=none", f"trainer.val_check_interval={max(1, args.steps // 2)}"]  # fmt: skip
+            "logger=none", f"trainer.val_check_interval={max(1, args.steps // 2)}",
+            *args.set]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or Path(tmp)
         refs = []
@@ -91,11 +103,12 @@ def main() -> int:
             rows.append([words, f"{g.value:+.4f}", f"{g.sigma:+.1f} sigma", said, bis, rec])
     md = table(rows)
     cmd = "python scripts/precision_table.py " + shlex.join(sys.argv[1:])
+    also = f" with {' '.join(args.set)}" if args.set else ""
     body = (f"Measured at {commit()} on {cpu()}, {args.threads} threads, with `{cmd.strip()}`: "
-            f"the main job's config, {args.steps} steps, references in fp32 with seeds "
+            f"the main job's config{also}, {args.steps} steps, references in fp32 with seeds "
             f"{', '.join(map(str, SEEDS))}; every silent run with seed 1234.\n\n{md}")  # fmt: skip
     print(body)
-    err = replace_block(args.doc, "precision-table", body)
+    err = replace_block(args.doc, args.block, body)
     if err:
         print(f"precision_table.py: {err}", file=sys.stderr)
         return 2

@@ -54,6 +54,14 @@ class _HashingWriter:
         self.f.flush()
 
 
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """``text`` to ``path`` whole or not at all: a hidden temp file beside it, renamed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """Write to a temporary file beside ``path`` (with its checksum footer), fsync it, then
     rename over ``path``.

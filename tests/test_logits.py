@@ -71,6 +71,22 @@ def test_lm_loss_adds_the_z_loss_of_a_float64_reference():
     )
 
 
+def test_the_loss_site_computes_in_the_logits_dtype_only_when_asked_and_not_under_autocast():
+    """model.loss_dtype=logits (upcast=False): bf16 logits give a bf16 loss whose error
+    against float64 is bf16's; the default upcasts (fp32's error). Under CPU autocast
+    PyTorch runs the cross-entropy in fp32 anyway: the site matters under bf16-true."""
+    torch.manual_seed(0)
+    logits, y = (torch.randn(4, 32, 101) * 4 + 30).bfloat16(), torch.randint(0, 101, (4, 32))
+    x = logits.double().flatten(0, 1)
+    ce = (torch.logsumexp(x, -1) - x[torch.arange(128), y.flatten()]).mean()  # float64
+    up, low = lm_loss(logits, y), lm_loss(logits, y, upcast=False)
+    assert up.dtype == torch.float32 and abs(up.double() - ce) < 1e-5
+    assert low.dtype == torch.bfloat16 and abs(low.double() - ce) > 1e-3  # ~ half a bf16 ulp
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = lm_loss(logits, y, upcast=False)
+    assert auto.dtype == torch.float32 and abs(auto.double() - ce) < 1e-5
+
+
 # ---- the probe's new statistics on a real step, against float64 --------------------------
 class Reference(L.Callback):
     """On the last step: float64 copies of the pre-clip gradients and the weights before

@@ -4,11 +4,14 @@ and the gap bisection counts it as a site of the run."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
-from stabilize.lit.optim_state import round_moments_to_bf16
-from stabilize.replay.gap_bisect import OPTIM_STATE, run_sites
-from stabilize.run.config import OptimConfig
+from stabilize.lit.optim_state import MasterWeights, round_moments_to_bf16
+from stabilize.model.config import GPTConfig
+from stabilize.replay.gap_bisect import LOSS, MASTER, OPTIM_STATE, run_sites
+from stabilize.run.config import OptimConfig, PrecisionConfig
 
 B1, B2 = 0.9, 0.95
 
@@ -44,10 +47,80 @@ def test_the_moments_are_bf16_after_each_step_as_a_float64_adam_says():
     assert not torch.equal(st["exp_avg_sq"], plain["exp_avg_sq"])  # the knob does something
 
 
-def test_the_bisection_counts_the_state_as_a_site_only_when_it_is_not_fp32():
-    class Cfg:
-        optim = OptimConfig(state_dtype="bf16")
+def _cfg(precision="bf16-mixed", loss="fp32", **optim):
+    return SimpleNamespace(model=GPTConfig(loss_dtype=loss), optim=OptimConfig(**optim),
+                           precision=PrecisionConfig(name=precision))  # fmt: skip
 
-    assert run_sites(Cfg) == [OPTIM_STATE]
-    Cfg.optim = OptimConfig()
-    assert run_sites(Cfg) == []
+
+def test_the_bisection_counts_a_run_site_only_where_it_is_not_fp32():
+    assert run_sites(_cfg(state_dtype="bf16")) == [OPTIM_STATE]
+    assert run_sites(_cfg()) == []
+    # pure bf16: bf16 weights with no master copy (AdamW's moments bf16 with them), the loss
+    # in the logits' dtype; an fp32 master is not a site
+    assert run_sites(_cfg("bf16-true", "logits")) == [LOSS, MASTER]
+    assert run_sites(_cfg("bf16-true", master_dtype="fp32")) == []
+    assert run_sites(_cfg(master_dtype="fp32", state_dtype="bf16")) == [OPTIM_STATE]
+
+
+def test_an_fp32_master_keeps_the_updates_a_pure_bf16_weight_loses():
+    """A constant gradient makes every Adam update lr / (1 + eps) (m_hat / sqrt(v_hat) = 1):
+    1e-3, under half of bf16's spacing below 1.0 (2^-9), so a bf16 weight at 1.0 never
+    moves; the fp32 master follows the float64 sum by hand and the bf16 weight is that
+    master rounded."""
+    lr, n = 1e-3, 12
+    runs = {}
+    for master in (False, True):
+        w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        opt = torch.optim.AdamW([w], lr=lr, betas=(B1, B2), weight_decay=0.0, eps=1e-8)
+        mw = MasterWeights(opt, torch.nn.ParameterList([w])) if master else None
+        for _ in range(n):
+            w.grad = torch.ones(4, dtype=torch.bfloat16)
+            if mw is not None:
+                mw.before_step()  # Lightning's on_before_optimizer_step
+            opt.step()
+        runs[master] = (w.detach().clone(), mw)
+    assert torch.equal(runs[False][0], torch.ones(4, dtype=torch.bfloat16))  # lost, every step
+    w, mw = runs[True]
+    (m,) = mw.state_dict().values()
+    want = 1.0 - n * lr / (1.0 + 1e-8)  # float64, by hand
+    assert m.dtype == torch.float32 and (m.double() - want).abs().max() < 1e-6
+    assert w.dtype == torch.bfloat16 and torch.equal(w, m.bfloat16())
+    assert float(w[0]) < 1.0  # the 12 lost updates, kept: the weight moved
+    state = next(iter(mw.opt.state.values()))
+    assert state["exp_avg"].dtype == torch.float32  # the moments live with the master
+
+
+def test_bf16_true_with_an_fp32_master_trains_and_resumes_exactly(tmp_path):
+    """A Lightning run under bf16-true with optim.master_dtype=fp32: the masters travel in
+    the checkpoint, so a run stopped at step 4 and resumed ends on the uninterrupted run's
+    weights and masters, bit for bit; the masters hold what bf16 weights cannot."""
+    from stabilize.lit.runner import run
+
+    from conftest import FAST, compose_run
+
+    common = [*FAST, "trainer.max_steps=8", "precision=bf16-true", "optim.master_dtype=fp32",
+              "optim.lr=1e-3"]  # fmt: skip
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run(compose_run(full, common))
+    run(compose_run(cut, [*common, "trainer.stop_at_step=4"]))
+    run(compose_run(cut, [*common, "resume=auto"]))
+    a = torch.load(full / "checkpoints" / "last.ckpt", weights_only=False)
+    b = torch.load(cut / "checkpoints" / "last.ckpt", weights_only=False)
+    assert a["stabilize"]["model_step"] == b["stabilize"]["model_step"] == 8
+    for k, v in a["state_dict"].items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, b["state_dict"][k]), k
+    masters = a["master_weights"]
+    assert masters and all(m.dtype == torch.float32 for m in masters.values())
+    moved = 0
+    for name, m in masters.items():
+        assert torch.equal(m, b["master_weights"][name]), name
+        p = a["state_dict"][f"model.{name}"]
+        assert torch.equal(m.bfloat16(), p), name  # each weight is its master, rounded
+        moved += int((m != p.float()).sum())
+    assert moved > 0  # the masters carry what the bf16 weights round away
+    for ckpt in (a, b):  # the resumed run's moments were not cast to bf16 on the way in
+        opt_state = ckpt["optimizer_states"][0]["state"]
+        assert all(s["exp_avg_sq"].dtype == torch.float32 for s in opt_state.values())
+    for s, t in zip(a["optimizer_states"][0]["state"].values(),
+                    b["optimizer_states"][0]["state"].values(), strict=True):  # fmt: skip
+        assert torch.equal(s["exp_avg_sq"], t["exp_avg_sq"])

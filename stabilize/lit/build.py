@@ -17,6 +17,7 @@ from stabilize.lit.audit import NormAudit
 from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
 from stabilize.lit.fsdp import fsdp_strategy
+from stabilize.lit.grad_reduce import ddp_hook
 from stabilize.lit.preempt import build as preempt_callback
 from stabilize.lit.progress import PlainProgress, StepBar
 from stabilize.lit.stability import StabilityCallback
@@ -67,7 +68,7 @@ def device_args(cfg: TrainerConfig, env: LaunchEnv) -> dict:
     if strategy == "auto":
         strategy = "ddp" if devices * num_nodes > 1 else "auto"
     if strategy == "ddp":
-        strategy = DDPStrategy(timeout=timeout)
+        strategy = DDPStrategy(timeout=timeout, ddp_comm_hook=ddp_hook(cfg.grad_reduce_dtype))
     elif strategy == "fsdp":  # FSDP2, on CPU too (lit/fsdp.py)
         strategy = fsdp_strategy(devices * num_nodes, timeout)
     return {"devices": devices, "num_nodes": num_nodes, "strategy": strategy}

@@ -71,15 +71,17 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard_model(model: nn.Module, mesh) -> None:
+def shard_model(model: nn.Module, mesh, mp_policy=None) -> None:
     """``fully_shard`` each Block, then the root: one all-gather per block in the forward,
     one reduce-scatter per block in the backward (the root's group holds the embeddings and
-    the head tied to them)."""
+    the head tied to them). ``mp_policy``: FSDP2's mixed-precision policy (the gradient
+    reduction's dtype, lit/grad_reduce.py), None for its default."""
     from torch.distributed.fsdp import fully_shard
 
+    kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for block in model.h:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
 
 
 def full_norm(norm: torch.Tensor) -> torch.Tensor:

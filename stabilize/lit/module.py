@@ -31,7 +31,8 @@ from torch import nn
 from stabilize.compat import scaler_scale, uncount_batch
 from stabilize.data import bits_per_byte, build_dataloaders, share_skips
 from stabilize.lit.fsdp import full_norm, shard_model
-from stabilize.lit.optim_state import round_moments_to_bf16
+from stabilize.lit.grad_reduce import fsdp_policy
+from stabilize.lit.optim_state import MasterWeights, round_moments_to_bf16
 from stabilize.lit.saved_state import restore_state, saved_state
 from stabilize.model import build_model, set_activation_checkpointing
 from stabilize.model.logits import lm_loss
@@ -90,6 +91,8 @@ class GPTLitModule(L.LightningModule):
         # remedies, and saved in checkpoints (rollback/state.py)
         self.train_state = TrainState(self.model)
         self.grad_norm: torch.Tensor | None = None  # last pre-clip total norm, on device
+        self.master: MasterWeights | None = None  # optim.master_dtype=fp32 (configure_optimizers)
+        self._saved_master: dict[str, torch.Tensor] = {}  # from a checkpoint, by name
         self._loader_cache = None
         self._loss: torch.Tensor | None = None  # last micro-batch loss, logged on log steps
         self._batch_step: int | None = None  # the data step the incoming batch was drawn for
@@ -112,7 +115,8 @@ class GPTLitModule(L.LightningModule):
             self._compiled = True
         mesh = getattr(self, "_device_mesh", None)  # set by ModelParallelStrategy (lit/fsdp.py)
         if mesh is not None and not getattr(self, "_sharded", False):
-            shard_model(self.model, mesh["data_parallel"])
+            policy = fsdp_policy(self.cfg.trainer.grad_reduce_dtype)
+            shard_model(self.model, mesh["data_parallel"], policy)
             self._sharded = True
 
     # ---- data ---------------------------------------------------------------------------
@@ -207,14 +211,16 @@ class GPTLitModule(L.LightningModule):
         return self.model(idx)
 
     def loss(self, batch, z_loss: bool = True) -> torch.Tensor:
-        """Cross-entropy in fp32 whatever the activation dtype, plus the model's z-loss
+        """Cross-entropy in fp32 whatever the activation dtype (``model.loss_dtype=logits``:
+        in the logits' dtype), plus the model's z-loss
         (``model.z_loss``, or switched on by the z_loss remedy) unless ``z_loss=False``
         (validation: the held-out loss is the cross-entropy alone)."""
         x, y = batch  # [B, T] each
         logits = self.model(x)  # [B, T, V]
         # a training forward's log Z goes to the probe, read off the loss's own log-softmax
         sink = self.model.logit_softcap.stats_sink if self.training else None
-        return lm_loss(logits, y, self.model.z_loss if z_loss else 0.0, sink)
+        upcast = self.cfg.model.loss_dtype == "fp32"
+        return lm_loss(logits, y, self.model.z_loss if z_loss else 0.0, sink, upcast)
 
     @property
     def window_start(self) -> bool:
@@ -417,6 +423,9 @@ class GPTLitModule(L.LightningModule):
             betas=(o.beta1, o.beta2),
             eps=o.eps,
         )
+        if o.master_dtype == "fp32":  # an fp32 master copy of 16-bit weights (issue 37)
+            self.master = MasterWeights(opt, self.model)
+            self.master.load(self._saved_master)
         if o.state_dtype == "bf16":  # a 16-bit optimizer state, emulated (issue 37)
             opt.register_step_post_hook(round_moments_to_bf16)
         # The LR is a function of the *model's* step, not of how often the scheduler was
@@ -426,8 +435,17 @@ class GPTLitModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ---- checkpoints ----------------------------------------------------------------------
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.master is not None:  # the step's final gradients: AdamW steps fp32 masters
+            self.master.before_step()
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["stabilize"] = saved_state(self)
+        if self.master is not None:
+            checkpoint["master_weights"] = self.master.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         restore_state(self, checkpoint["stabilize"])
+        self._saved_master = checkpoint.get("master_weights", {})
+        if self.master is not None:
+            self.master.load(self._saved_master)

@@ -51,6 +51,7 @@ import lightning as L
 import torch
 
 from stabilize.exits import EXIT_HUNG
+from stabilize.io import atomic_write_text
 from stabilize.run.summary import STRAGGLER_SHARE
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,7 @@ def beat_path(run_dir: str | os.PathLike, rank: int) -> Path:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj))
 
 
 class Watchdog(L.Callback):

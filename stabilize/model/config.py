@@ -94,6 +94,10 @@ class GPTConfig:
     """Module paths whose forward runs in fp32 with autocast off (a norm of ours reduces in
     fp32 too; model/fp32_sites.py), e.g. [lm_head, h.1.attn.c_attn]
     (``stabilize-replay --gap`` prints one)."""
+    loss_dtype: str = "fp32"
+    """fp32 | logits: the cross-entropy computed in fp32 (the logits upcast first), or in
+    the logits' own dtype (bf16 under bf16-true: a loss that is not upcast); a precision
+    site, ``loss`` (docs/precision.md)."""
 
     def __post_init__(self) -> None:
         self.norm = build_dataclass(NormConfig, self.norm, "norm")
@@ -111,6 +115,7 @@ class GPTConfig:
         check_range("model.z_loss", self.z_loss, 0.0, float("inf"))
         check_range("model.logit_softcap", self.logit_softcap, 0.0, float("inf"))
         check_choice("model.activation", self.activation, ACTIVATIONS)
+        check_choice("model.loss_dtype", self.loss_dtype, ("fp32", "logits"))
         if self.hf is not None:
             self._check_hf()
         mods = self.fp32_modules

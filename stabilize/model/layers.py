@@ -33,6 +33,21 @@ def deepnorm_beta(n_layer: int) -> float:
     return (8 * n_layer) ** -0.25
 
 
+class ScaledDotProduct(nn.Module):
+    """Causal ``softmax(q k^T / sqrt(d)) v``: the attention scores, their softmax and the
+    weighted sum of the values. A module of its own (``h.N.attn.scores``) so that it is a
+    precision site (model/fp32_sites.py: switched to fp32, the scores and the softmax run
+    in fp32 under autocast) and its output can be read, hooked or rounded like any other."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -41,7 +56,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.q_norm = norm_or_identity(cfg.norm.qk_norm, cfg.head_dim, cfg)
         self.k_norm = norm_or_identity(cfg.norm.qk_norm, cfg.head_dim, cfg)
-        self.dropout = cfg.dropout
+        self.scores = ScaledDotProduct(cfg.dropout)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,10 +67,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         q, k = self.q_norm(q), self.k_norm(k)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
-        y = y.transpose(1, 2).reshape(b, t, c)  # [B, H, T, C/H] -> [B, T, C]
+        y = self.scores(q, k, v).transpose(1, 2).reshape(b, t, c)  # [B, H, T, C/H] -> [B, T, C]
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -58,17 +58,19 @@ def log_z(logits: torch.Tensor, chunk_elems: int = CHUNK_ELEMS) -> torch.Tensor:
 
 
 def lm_loss(
-    logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, sink=None
+    logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0, sink=None, upcast=True
 ) -> torch.Tensor:
     """Next-token cross-entropy in fp32 (logits [B, T, V], targets [B, T]), plus
-    ``z_loss * mean(log Z^2)`` when the coefficient is positive.
+    ``z_loss * mean(log Z^2)`` when the coefficient is positive. ``upcast=False``
+    (``model.loss_dtype=logits``): in the logits' own dtype instead.
 
     ``sink``: given every token's log Z (``sink.record_log_z``, [B*T], no gradient), read
     off the loss's own log-softmax: log Z = x_y - log_softmax(x)_y at the target y, where
     log_softmax is small (-loss per token), so nothing is lost to cancellation. The same two
     ops F.cross_entropy runs (log_softmax, then nll_loss): the same loss, and no second pass
     over the [B*T, V] logits for the monitor."""
-    flat = logits.flatten(0, 1).float()  # [B*T, V]
+    flat = logits.flatten(0, 1)  # [B*T, V]
+    flat = flat.float() if upcast else flat
     tgt = targets.flatten()
     if sink is None:
         loss = F.cross_entropy(flat, tgt)

@@ -34,15 +34,25 @@ from pathlib import Path
 from typing import Any
 
 from stabilize.replay.bisect import minimize
+from stabilize.report.gap import bisection_words, tail_words
 
-OPTIM_STATE = "optim.state"  # a site of the run, not of a module: optim.state_dtype
-RUN_SITES = (OPTIM_STATE,)
+# sites of the run, not of a module, each switched back by its own key
+LOSS = "loss"  # model.loss_dtype=logits -> fp32
+MASTER = "optim.master"  # bf16-true without a master copy -> optim.master_dtype=fp32
+OPTIM_STATE = "optim.state"  # optim.state_dtype=bf16 -> fp32
+RUN_SITES = (LOSS, MASTER, OPTIM_STATE)
 
 
 def run_sites(cfg) -> list[str]:
-    """The run's precision sites besides the model's modules: the optimizer's state when
-    it is not fp32."""
-    return [OPTIM_STATE] if cfg.optim.state_dtype != "fp32" else []
+    """The run's precision sites besides the model's modules, where they are not fp32: the
+    loss, the master weights (bf16-true without an fp32 master copy: its AdamW moments are
+    bf16 too, and an fp32 master brings fp32 moments with it), the optimizer's state. (The
+    gradient all-reduce is a site of a multi-rank run; the window replays run in one
+    process, where there is no all-reduce to switch.)"""
+    out = [LOSS] if cfg.model.loss_dtype != "fp32" else []
+    if cfg.precision.name == "bf16-true" and cfg.optim.master_dtype == "param":
+        out.append(MASTER)
+    return out + ([OPTIM_STATE] if cfg.optim.state_dtype != "fp32" else [])
 
 
 def _checkpoints(run_dir: Path) -> dict[int, Path]:
@@ -80,6 +90,10 @@ class Window:
         out = self.work / f"replay-{self.replays}"
         values.update(run_dir=str(out), resume=str(self.ckpt) if self.ckpt else "none")
         values["model"]["fp32_modules"] = sorted(set(fp32) - set(RUN_SITES))
+        if LOSS in fp32:
+            values["model"]["loss_dtype"] = "fp32"
+        if MASTER in fp32:
+            values["optim"]["master_dtype"] = "fp32"
         if OPTIM_STATE in fp32:  # the optimizer's state back at fp32
             values["optim"]["state_dtype"] = "fp32"
         if precision is not None:
@@ -134,7 +148,7 @@ def gap_bisect(run_dir: Path, refs: list[Path], window: int | None = None, share
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         win = Window(run_dir, start, w, Path(tmp))
         all_sites = sites(build_model(win.cfg.model)) + run_sites(win.cfg)
-        out.update(start=start, window=w, sites=all_sites)
+        out.update(start=start, window=w, sites=all_sites, share=share)
         a = win.score(frozenset())
         b = win.score(frozenset(all_sites))
         g, se = _paired(a, b)
@@ -159,9 +173,18 @@ def gap_bisect(run_dir: Path, refs: list[Path], window: int | None = None, share
     return out
 
 
+RUN_OVERRIDES = {
+    LOSS: "model.loss_dtype=fp32",
+    MASTER: "optim.master_dtype=fp32",
+    OPTIM_STATE: "optim.state_dtype=fp32",
+}
+
+
 def override(culprits: list[str]) -> str:
-    """The Hydra override that runs exactly those sites in fp32."""
-    return "++model.fp32_modules=[" + ",".join(culprits) + "]"
+    """The Hydra overrides that run exactly those sites in fp32."""
+    mods = [c for c in culprits if c not in RUN_OVERRIDES]
+    out = [RUN_OVERRIDES[c] for c in culprits if c in RUN_OVERRIDES]
+    return " ".join(([f'"++model.fp32_modules=[{",".join(mods)}]"'] if mods else []) + out)
 
 
 def gap_main(run_dir: Path, refs: list[Path], window: int | None, share: float) -> int:
@@ -172,22 +195,22 @@ def gap_main(run_dir: Path, refs: list[Path], window: int | None, share: float) 
         print("gap bisection: nothing significant to close (the run's gap is not a real gap "
               "against the reference's seed noise)")  # fmt: skip
         return 1
-    n, w = len(b["sites"]), b["window"]
-    bound = math.ceil(math.log2(n)) + 3 if n > 1 else 3
-    head = (f"gap bisection over {n} sites, {b['replays']} window replays (bound "
-            f"ceil(log2 {n}) + 3 = {bound}), steps {b['start']}-{b['start'] + w}")  # fmt: skip
-    gap = f"{b['gap']:+.4f} +- {b['gap_se']:.4f} nats held out"
-    if b["noise"]:
-        gap += f", {b['gap'] / b['noise']:+.1f} sigma of seed noise"
+    b["override"] = override(b["culprits"]) if b["culprits"] else None
+    _keep(run_dir, "bisection.json", b)
+    print(bisection_words(b))
     if not b["culprits"]:
-        print(f"{head}: every site in fp32 changes the window's score by {gap}: not a "
-              "precision gap at these sites (nothing to close)")  # fmt: skip
         return 1
-    print(f"{head}: the window's gap is {gap}; fp32 at {', '.join(b['culprits'])} closes "
-          f"{100 * b['closed']:.0f}% +- {100 * b['closed_se']:.0f}% of it "
-          f"(target {100 * share:.0f}%)")  # fmt: skip
-    print(f'run with: "{override(b["culprits"])}"')
+    print(f"run with: {b['override']}")
     return 0
+
+
+def _keep(run_dir: Path, name: str, found: dict) -> None:
+    """``RUN/gap/<name>``: what was found, which ``stabilize-gap RUN`` shows beside its
+    judgement (written whole: a temp file renamed)."""
+    from stabilize.io import atomic_write_text
+
+    (run_dir / "gap").mkdir(exist_ok=True)
+    atomic_write_text(run_dir / "gap" / name, json.dumps(found, indent=1, default=str))
 
 
 # ---- the tail counterfactual: the rest of the run at the reference's precision ---------------
@@ -230,12 +253,6 @@ def tail(run_dir: Path, refs: list[Path], start: int) -> dict[str, Any]:
 
 def tail_main(run_dir: Path, refs: list[Path], start: int) -> int:
     t = tail(run_dir, refs, start)
-    head = (f"tail counterfactual: steps {t['start']}-{t['end']} retrained at the reference's "
-            f"precision ({t['precision']}, every site in fp32)")  # fmt: skip
-    if t["share"] is None:
-        print(f"{head}: the run scores as the reference's mean, no gap to recover")
-        return 1
-    print(f"{head}: held-out loss {t['tail']:.4f} against the run's {t['run']:.4f} and the "
-          f"reference's mean {t['reference']:.4f}: it recovers {100 * t['share']:.0f}% +- "
-          f"{100 * t['share_se']:.0f}% of the gap (+- one reference seed's noise)")  # fmt: skip
-    return 0
+    _keep(run_dir, "tail.json", t)
+    print(tail_words(t))
+    return 1 if t["share"] is None else 0

@@ -174,3 +174,33 @@ def judge(run: Run, refs: list[Run], window: int | None = None) -> Judgement:
     if all(x is not None and math.isfinite(x) for x in lasts) and refs:
         last = Gap("last-steps loss", lasts[0] - statistics.fmean(lasts[1:]), lasts[0], lasts[1:])
     return Judgement(heldout, last, step_gaps(run, refs, window))
+
+
+# ---- the words of the gap bisection and the tail (replay/gap_bisect.py writes their dicts to
+# RUN/gap/bisection.json and RUN/gap/tail.json; stabilize-gap shows them beside the judge) ----
+def bisection_words(b: dict) -> str:
+    """One line: what the bisection of a real gap found (``b``: gap_bisect's dict)."""
+    n, w = len(b["sites"]), b["window"]
+    bound = math.ceil(math.log2(n)) + 3 if n > 1 else 3
+    head = (f"gap bisection over {n} sites, {b['replays']} window replays (bound "
+            f"ceil(log2 {n}) + 3 = {bound}), steps {b['start']}-{b['start'] + w}")  # fmt: skip
+    gap = f"{b['gap']:+.4f} +- {b['gap_se']:.4f} nats held out"
+    if b["noise"]:
+        gap += f", {b['gap'] / b['noise']:+.1f} sigma of seed noise"
+    if not b["culprits"]:
+        return (f"{head}: every site in fp32 changes the window's score by {gap}: not a "
+                "precision gap at these sites (nothing to close)")  # fmt: skip
+    return (f"{head}: the window's gap is {gap}; fp32 at {', '.join(b['culprits'])} closes "
+            f"{100 * b['closed']:.0f}% +- {100 * b['closed_se']:.0f}% of it "
+            f"(target {100 * b['share']:.0f}%)")  # fmt: skip
+
+
+def tail_words(t: dict) -> str:
+    """One line: what the tail counterfactual recovered (``t``: tail's dict)."""
+    head = (f"tail counterfactual: steps {t['start']}-{t['end']} retrained at the reference's "
+            f"precision ({t['precision']}, every site in fp32)")  # fmt: skip
+    if t["share"] is None:
+        return f"{head}: the run scores as the reference's mean, no gap to recover"
+    return (f"{head}: held-out loss {t['tail']:.4f} against the run's {t['run']:.4f} and the "
+            f"reference's mean {t['reference']:.4f}: it recovers {100 * t['share']:.0f}% +- "
+            f"{100 * t['share_se']:.0f}% of the gap (+- one reference seed's noise)")  # fmt: skip

@@ -3,10 +3,11 @@ units of seed noise (``report/gap.py``; docs/design-precision.md).
 
     stabilize-gap runs/bf16 --reference runs/fp32-s0 runs/fp32-s1 runs/fp32-s2
 
-Prints the held-out and last-steps gaps with their sigma and verdict, and where the
-per-step gap opens; writes ``gap.json`` and ``gap.png`` (the smoothed per-step gap with
-the reference's band) to ``--out`` (default ``RUN/gap``). Exit 0: a real gap; 1: inside
-the noise (or it cannot be told); 2: bad input, one line.
+Prints the held-out and last-steps gaps with their sigma and verdict, where the per-step
+gap opens, and what ``stabilize-replay --gap`` / ``--tail`` found for the run where they
+ran (``RUN/gap/bisection.json``, ``tail.json``); writes ``gap.json`` and ``gap.png`` (the
+smoothed per-step gap with the reference's band) to ``--out`` (default ``RUN/gap``). Exit
+0: a real gap; 1: inside the noise (or it cannot be told); 2: bad input, one line.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ def plot(j, out: Path, title: str) -> Path:
     return path
 
 
+def found_before(run: Path) -> dict:
+    """What ``stabilize-replay --gap`` / ``--tail`` found for this run, where they ran:
+    ``RUN/gap/bisection.json`` and ``RUN/gap/tail.json`` (an unreadable one is left out)."""
+    out = {}
+    for key in ("bisection", "tail"):
+        try:
+            out[key] = json.loads((run / "gap" / f"{key}.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="stabilize-gap", description=__doc__.split("\n\n")[0])
     p.add_argument("run", type=Path, help="the run dir to judge")
@@ -53,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps the per-step curve is smoothed over (default: a tenth)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="default RUN/gap")
     args = p.parse_args(argv)
-    from stabilize.report.gap import judge
+    from stabilize.report.gap import bisection_words, judge, tail_words
     from stabilize.report.load import load_run_dir
 
     if args.window is not None and args.window < 1:
@@ -74,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gap of {args.run} to {len(refs)} reference seed(s):")
     for line in j.lines():
         print(f"  {line}")
+    found = found_before(args.run)
+    for key, words in (("bisection", bisection_words), ("tail", tail_words)):
+        if key in found:
+            print(f"  {words(found[key])} (stabilize-replay, {key}.json)")
     out = args.out or args.run / "gap"
     out.mkdir(parents=True, exist_ok=True)
     g = j.primary
@@ -82,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "score": g.score, "gap": g.value, "sigma": g.sigma, "band": g.half, "real": g.real,
         "heldout": None if j.heldout is None else j.heldout.value,
         "last_steps": None if j.last is None else j.last.value,
-        "opens_at": j.steps.opens_at, "window": j.steps.window,
+        "opens_at": j.steps.opens_at, "window": j.steps.window, **found,
     }, indent=1))  # fmt: skip
     if j.steps.steps:
         print(f"plot: {plot(j, out, f'{args.run.name} vs {len(refs)} reference seeds')}")

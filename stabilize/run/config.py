@@ -68,10 +68,16 @@ class OptimConfig:
     state_dtype: str = "fp32"
     """fp32 | bf16: AdamW's moments stored at bf16's precision, rounded after each step
     (lit/optim_state.py): a precision site (docs/precision.md)."""
+    master_dtype: str = "param"
+    """param | fp32: AdamW updates the parameters in their own dtype (fp32 except under
+    bf16-true, which then has no master copy), or an fp32 master copy of 16-bit parameters
+    that are set from it after each step (lit/optim_state.py; its moments are fp32 then):
+    a precision site under bf16-true (docs/precision.md)."""
 
     def __post_init__(self) -> None:
         check_positive("optim.lr", self.lr)
         check_choice("optim.state_dtype", self.state_dtype, ("fp32", "bf16"))
+        check_choice("optim.master_dtype", self.master_dtype, ("param", "fp32"))
         check_range("optim.weight_decay", self.weight_decay, 0.0, 10.0)
         check_range("optim.beta1", self.beta1, 0.0, 1.0)
         check_range("optim.beta2", self.beta2, 0.0, 1.0)
@@ -148,6 +154,10 @@ class TrainerConfig:
     (lit/watchdog.py); None: max(60 s, 5 x the median step); 0: no watchdog."""
     pg_timeout_s: float = 1800
     """torch.distributed's collective timeout, the backstop."""
+    grad_reduce_dtype: str = "grad"
+    """grad | bf16 | fp32: the dtype the gradients are all-reduced in across ranks: their
+    own (fp32 under mixed precision, bf16 under bf16-true), or cast to bf16 / fp32 for the
+    reduction and back (lit/grad_reduce.py): a precision site of a multi-rank run."""
 
     def __post_init__(self) -> None:
         if self.hang_timeout_s is not None:
@@ -174,6 +184,7 @@ class TrainerConfig:
             check_positive("trainer.devices", self.devices, integer=True)
         check_choice("trainer.strategy", self.strategy, STRATEGIES)
         check_choice("trainer.progress", self.progress, PROGRESS)
+        check_choice("trainer.grad_reduce_dtype", self.grad_reduce_dtype, ("grad", "bf16", "fp32"))
 
 
 @dataclass
@@ -303,11 +314,11 @@ class RunConfig:
                 f"trainer.compile=true is not allowed with fault.kind={self.fault.kind!r} (its "
                 "factor changes every step and would recompile the model every step)"
             )
-        if self.model.fp32_modules and self.precision.name == "bf16-true":
+        if self.optim.master_dtype == "fp32" and self.trainer.strategy == "fsdp":
             raise ConfigError(
-                f"model.fp32_modules={self.model.fp32_modules} is not allowed with "
-                "precision=bf16-true (its weights are bf16: an fp32 forward needs fp32 "
-                "weights); allowed with: fp32, fp16-mixed, bf16-mixed"
+                "optim.master_dtype='fp32' is not allowed with trainer.strategy='fsdp' (FSDP "
+                "keeps the master copy itself: its parameters stay fp32 under bf16-mixed); "
+                "allowed with: auto, ddp"
             )
         red = self.model.norm.reduction_dtype
         sixteen = red in ("bf16", "fp16") or (red == "input" and self.precision.name == "bf16-true")

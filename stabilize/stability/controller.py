@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from stabilize.faults import FaultInjector
+from stabilize.io import atomic_write_text
 from stabilize.monitors import Event, MonitorSuite, StepStats
 from stabilize.rollback import (
     DurableWriter,
@@ -66,9 +66,7 @@ def add_skipped_items(run_dir: str | Path, entries: list[dict[str, Any]]) -> Pat
     have = json.loads(path.read_text())["items"] if path.exists() else []
     known = {(e["index"], e["hash"]) for e in have}
     new = [e for e in entries if (e["index"], e["hash"]) not in known]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"items": have + new}, indent=1))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({"items": have + new}, indent=1))
     return path
 
 

@@ -1,0 +1,74 @@
+"""Issue 37's all-reduce site (stabilize/lit/grad_reduce.py, ``trainer.grad_reduce_dtype``):
+two real processes on gloo, a real DDP with the hook, against the sum computed by hand."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from stabilize.lit.grad_reduce import ddp_hook, fsdp_policy
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs(rank: int) -> torch.Tensor:
+    return torch.randn(16, 8, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        got = {}
+        for name in ("grad", "bf16"):
+            torch.manual_seed(0)
+            net = torch.nn.Linear(8, 4)
+            ddp = torch.nn.parallel.DistributedDataParallel(net)
+            hook = ddp_hook(name)
+            if hook is not None:
+                ddp.register_comm_hook(None, hook)
+            ddp(_inputs(rank)).square().sum().backward()
+            got[name] = net.weight.grad
+        if rank == 0:
+            torch.save(got, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def _reduced(tmp_path) -> dict[str, torch.Tensor]:
+    """Rank 0's gradient after DDP's own all-reduce and after the bf16 one."""
+    out = str(tmp_path / "grads.pt")
+    mp.start_processes(_worker, args=(_free_port(), out), nprocs=2, start_method="spawn")
+    return torch.load(out)
+
+
+def test_a_bf16_all_reduce_rounds_each_share_and_the_sum_as_computed_by_hand(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 4)
+    grads = []
+    for rank in (0, 1):  # each rank's own gradient, in this process
+        net.zero_grad()
+        net(_inputs(rank)).square().sum().backward()
+        grads.append(net.weight.grad.clone())
+    fp32 = (grads[0] + grads[1]) / 2
+    shares = [(g / 2).bfloat16() for g in grads]  # each rank's share, rounded to bf16
+    by_hand = (shares[0].float() + shares[1].float()).bfloat16().float()  # summed in bf16
+    got = _reduced(tmp_path)
+    got_fp32, got_bf16 = got["grad"], got["bf16"]
+    assert torch.allclose(got_fp32, fp32, rtol=1e-6, atol=1e-7)  # DDP's own: the mean
+    assert got_bf16.dtype == torch.float32 and torch.equal(got_bf16, by_hand)
+    assert not torch.equal(got_bf16, got_fp32)  # the site changes the gradient
+
+
+def test_the_choices_map_to_ddp_hooks_and_fsdp_policies():
+    assert ddp_hook("grad") is None and fsdp_policy("grad") is None  # the backends' own
+    assert callable(ddp_hook("fp32")) and fsdp_policy("fp32").reduce_dtype == torch.float32
+    assert fsdp_policy("bf16").reduce_dtype == torch.bfloat16
