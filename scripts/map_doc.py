@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from stabilize.bench.docblock import cpu, replace_block
+from stabilize.bench.docblock import cpu, write_block
 from stabilize.map.report import write_report
 from stabilize.map.spec import load_spec
 
@@ -47,12 +47,7 @@ def main() -> int:
     body = block(a.dir, a.command or f"stabilize-map --dir {a.dir}", stem)
     for fig in ("loss_vs_lr", "outcomes"):
         shutil.copyfile(a.dir / f"{fig}.png", a.doc.parent / f"{stem}-{fig}.png")
-    err = replace_block(a.doc, "map", body)
-    if err:
-        print(f"map_doc.py: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {a.doc}")
-    return 0
+    return write_block(a.doc, "map", body, "map_doc.py")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from stabilize.bench.docblock import commit, cpu, replace_block
+from stabilize.bench.docblock import commit, cpu, write_block
 from stabilize.bench.lib import compose_cfg
 from stabilize.replay.gap_bisect import gap_bisect, tail
 from stabilize.report.gap import judge
@@ -108,12 +108,7 @@ def main() -> int:
             f"the main job's config{also}, {args.steps} steps, references in fp32 with seeds "
             f"{', '.join(map(str, SEEDS))}; every silent run with seed 1234.\n\n{md}")  # fmt: skip
     print(body)
-    err = replace_block(args.doc, args.block, body)
-    if err:
-        print(f"precision_table.py: {err}", file=sys.stderr)
-        return 2
-    print(f"written to {args.doc}")
-    return 0
+    return write_block(args.doc, args.block, body, "precision_table.py")
 
 
 if __name__ == "__main__":

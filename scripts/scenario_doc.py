@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-from stabilize.bench.docblock import commit, cpu, replace_block
+from stabilize.bench.docblock import commit, cpu, write_block
 
 SECTIONS = ("## Per arm", "## Against the reference", "## Conclusions", "## Forecast warnings")
 
@@ -61,12 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             f"scenario_doc.py: {out}/report.md does not exist (run repro_nan.sh)", file=sys.stderr
         )
         return 2
-    err = replace_block(doc, "measured", measured_block(out, a.command))
-    if err:
-        print(f"scenario_doc.py: {err}", file=sys.stderr)
-        return 2
-    print(f"scenario_doc.py: {doc} updated from {out}/report.md")
-    return 0
+    return write_block(doc, "measured", measured_block(out, a.command), "scenario_doc.py")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ COMMANDS: dict[str, str] = {
     "gap-bisect-bf16": "stabilize-replay --gap runs/bf16 --reference runs/fp32-*",
     "gap-tail": "stabilize-replay --tail 0 runs/silent --reference runs/fp32-*",
     "precision-table": "python scripts/precision_table.py",
+    "hvp-check": "python scripts/hvp_check.py",
     "precision-table-pure": "python scripts/precision_table.py --runs pure-bf16 --set "
     "optim.lr=3e-5 --block precision-table-pure",
     # docs/data.md

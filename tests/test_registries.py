@@ -131,6 +131,7 @@ def test_the_built_in_monitors_declare_what_they_read():
         "attn_entropy": {"attn_entropy"},
         "log_z": {"log_z"},
         "replicas": {"replicas"},
+        "curvature": {"opt"},
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -39,3 +40,14 @@ def replace_block(doc: Path, name: str, body: str) -> str | None:
     doc.write_text(text[: text.index(begin)] + f"{begin}\n\n{body.strip()}\n\n{end}"
                    + text[text.index(end) + len(end):])  # fmt: skip
     return None
+
+
+def write_block(doc: Path, name: str, body: str, script: str) -> int:
+    """``replace_block``, said in one line: 0 and where it wrote, or 2 and why not (on
+    stderr); ``script``: the script's name, which starts the line."""
+    err = replace_block(doc, name, body)
+    if err:
+        print(f"{script}: {err}", file=sys.stderr)
+        return 2
+    print(f"{script}: wrote the {name} block of {doc}")
+    return 0

@@ -46,6 +46,7 @@ from stabilize.stability.controller import (
     load_skipped,
     load_skipped_items,
 )
+from stabilize.stability.curvature import curvature_pass, stability_lines
 from stabilize.stability.gather import HEAD, StepGather
 from stabilize.stability.localize import first_named, locate
 from stabilize.stability.probe import StabilityProbe
@@ -350,7 +351,22 @@ class StabilityCallback(L.Callback):
         fingerprint every ``monitor.replicas.every`` steps)."""
         n = 0 if _sharded(trainer) else self.replicas_every  # shards differ by design
         due = bool(n) and trainer.world_size > 1 and (host.train_state.model_step + 1) % n == 0
-        return self.gather(trainer, host, optimizer, self.probe, replicas=due)
+        curv = self._curvature(trainer, host, optimizer)
+        stats = self.gather(trainer, host, optimizer, self.probe, replicas=due, curvature=curv)
+        if "curv_u" in stats.opt:  # the lines it is read against, at this step's lr
+            g = optimizer.param_groups[0]
+            edge_gd, edge_adam = stability_lines(g["lr"], g["betas"][0])
+            stats.opt.update(edge_gd=edge_gd, edge_adam=edge_adam)
+        return stats
+
+    def _curvature(self, trainer, host, optimizer):
+        """The curvature pass, on one log step in ``monitor.curvature.every`` (None else)."""
+        c = self.mcfg.sections.get("curvature")
+        if self.probe is None or not self.probe.logged or c is None or not c.enabled:
+            return None
+        if not c.every or ((trainer.global_step + 1) // trainer.log_every_n_steps) % c.every:
+            return None
+        return curvature_pass(trainer, host, optimizer, self._batches, self._positions, c.rel)
 
     def _bundle(self, trainer, host, stats, events: list[Event], bad: list[Event]) -> None:
         """A repro bundle of the step (bundle.py), before anything is restored. Every rank

@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import partial
 
 from stabilize.monitors.activations import ActivationConfig, ActivationMonitor
+from stabilize.monitors.curvature import CurvatureConfig, CurvatureMonitor
 from stabilize.monitors.health import (
     LossScaleConfig,
     LossScaleMonitor,
@@ -38,3 +39,5 @@ register_monitor("attn_logit", AttnLogitConfig, AttnLogitMonitor.from_config)
 register_monitor("attn_entropy", AttnEntropyConfig, AttnEntropyMonitor.from_config)
 register_monitor("log_z", LogZConfig, LogZMonitor.from_config)
 register_monitor("replicas", ReplicasConfig, ReplicasMonitor.from_config)
+# the optimizer's state and the curvature along its update (issue 38)
+register_monitor("curvature", CurvatureConfig, CurvatureMonitor.from_config)

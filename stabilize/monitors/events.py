@@ -59,6 +59,11 @@ class StepStats:
     log_z: dict[str, float] = field(default_factory=dict)
     layer_grad_norm: dict[str, float] = field(default_factory=dict)
     update_ratio: dict[str, float] = field(default_factory=dict)
+    # per block, on log steps: the mean of g^2 / v_hat (AdamW's surprise); the whole
+    # model's optimizer series {update_ratio, g2_v, and on curvature steps curv_u, curv_pre,
+    # edge_gd, edge_adam} (stability/curvature.py; docs/design-spikes.md)
+    g2_v: dict[str, float] = field(default_factory=dict)
+    opt: dict[str, float] = field(default_factory=dict)
     # each rank's parameter fingerprint, on replica-check steps only (empty otherwise)
     replicas: tuple[int, ...] = ()
     norm_dim: dict[str, int] = field(default_factory=dict)  # norm -> width D (constant)
@@ -81,4 +86,6 @@ SERIES_METRICS = {
     "log_z": "log_z",
     "layer_grad_norm": "grad_norm",
     "update_ratio": "update_ratio",
+    "g2_v": "g2_v",
+    "opt": "opt",
 }

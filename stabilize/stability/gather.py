@@ -72,7 +72,13 @@ class StepGather:
         return self._consts
 
     def __call__(
-        self, trainer, host, optimizer, probe: StabilityProbe | None, replicas: bool = False
+        self,
+        trainer,
+        host,
+        optimizer,
+        probe: StabilityProbe | None,
+        replicas: bool = False,
+        curvature=None,
     ) -> StepStats:
         dev = host.device
         nan, minus1, no_fp = self._constants(dev)
@@ -97,7 +103,7 @@ class StepGather:
         if probe is not None:
             # -- per-block gradient norms and update/weight ratios, on log
             # steps, into the probe's own slots (they travel in the step's one vector) --
-            probe.record_params(optimizer, head[1], host.clip_norm)
+            probe.record_params(optimizer, head[1], host.clip_norm, curvature)
         return self.reduce(trainer, host, head, fp, probe)
 
     def reduce(self, trainer, host, head, fp, probe) -> StepStats:

@@ -54,23 +54,44 @@ def lowest_head_entropy(qs: torch.Tensor, rows: torch.Tensor, k: torch.Tensor) -
     return torch.special.entr(p).sum(-1).mean(-1).amin()  # entr(0) = 0: masked keys add 0
 
 
-def _adamw_update(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
-    """The change torch's AdamW is about to make to ``p`` for gradient ``g``."""
+def adamw_terms(p: torch.Tensor, g: torch.Tensor, state: dict, group: dict):
+    """What torch's AdamW is about to do to ``p`` for gradient ``g``, in fp32: (the change
+    it makes, up to its sign; its preconditioner P = (1 - beta1^t) (sqrt(v_hat) + eps), so
+    that the change is lr P^-1 m + lr wd p; g^2 / v_hat with this step's v_hat, 0 where
+    v_hat is 0). g^2 / v_hat is 1 where the gradient is as large as its recent history and
+    at most (1 - beta2^t) / (1 - beta2) where it surprises a decayed v_hat."""
     lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
     b1, b2 = group["betas"]
     step = float(state["step"]) + 1 if state else 1.0  # a CPU tensor (not capturable)
     p, g = p.float(), g.float()  # in fp32 whatever the parameters' dtype (bf16-true)
     m = torch.lerp(state["exp_avg"].float(), g, 1 - b1) if state else g * (1 - b1)
     v = state["exp_avg_sq"].float() * b2 + g * g * (1 - b2) if state else g * g * (1 - b2)
-    denom = v.sqrt() / math.sqrt(1 - b2**step) + eps
-    return p * (lr * wd) + m / denom * (lr / (1 - b1**step))
+    vhat = v / (1 - b2**step)
+    denom = vhat.sqrt() + eps
+    change = p * (lr * wd) + m / denom * (lr / (1 - b1**step))
+    ratio = torch.where(vhat > 0, g * g / vhat, torch.zeros_like(g))
+    return change, denom * (1 - b1**step), ratio
+
+
+def _plain_adamw(optimizer) -> bool:
+    return type(optimizer).__name__ == "AdamW" and not any(
+        gr.get("amsgrad") or gr.get("maximize") for gr in optimizer.param_groups
+    )
 
 
 def block_grad_update_norms(
-    groups: dict[str, list], idx: torch.Tensor, optimizer, grad_norm: torch.Tensor, max_norm: float
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per group: the gradient norm (pre-clip) and ||update|| / ||W|| ([G] each, fp32, on the
-    device; ratio -1 where the optimizer is not plain AdamW). ``idx``: each parameter's group
+    groups: dict[str, list],
+    idx: torch.Tensor,
+    optimizer,
+    grad_norm: torch.Tensor,
+    max_norm: float,
+    keep: bool = False,
+):
+    """Per group: the gradient norm (pre-clip), ||update|| / ||W|| and the mean of
+    g^2 / v_hat over its elements ([G] each, fp32, on the device; the last two -1 where the
+    optimizer is not plain AdamW), then the whole model's update ratio and mean g^2 / v_hat
+    (two scalars, -1 likewise), then with ``keep`` each parameter's (update, P) for the
+    curvature (``adamw_terms``; else None). ``idx``: each parameter's group
     (``param_groups_by_block``), on the device; ``grad_norm``: the step's total pre-clip
     norm; ``max_norm``: the clipping threshold (0: none). None for sharded (DTensor)
     gradients, whose per-block norms would need a collective."""
@@ -82,21 +103,32 @@ def block_grad_update_norms(
     zero = torch.zeros((), device=dev)
     gsq = torch.stack([g.float().square().sum() if g is not None else zero for g in grads])
     grad = torch.zeros(ng, device=dev).index_add_(0, idx, gsq).sqrt()
-    if type(optimizer).__name__ != "AdamW" or any(
-        gr.get("amsgrad") or gr.get("maximize") for gr in optimizer.param_groups
-    ):
-        return grad, torch.full((ng,), -1.0, device=dev)
+    if not _plain_adamw(optimizer):
+        none = torch.full((ng,), -1.0, device=dev)
+        return grad, none, none, torch.full((2,), -1.0, device=dev), None
     coef = (max_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0) if max_norm > 0 else None
     owner = {id(p): gr for gr in optimizer.param_groups for p in gr["params"]}
-    usq, wsq = [], []
+    usq, wsq, rsum, count, kept = [], [], [], [], []
     for p, g in zip(params, grads, strict=True):
         w = p.detach().float()
+        wsq.append(w.square().sum())
         if g is None or id(p) not in owner:
             usq.append(zero)
-        else:
-            g = g.float() if coef is None else g.float() * coef  # as clipping will scale it
-            usq.append(_adamw_update(w, g, optimizer.state.get(p, {}), owner[id(p)]).square().sum())
-        wsq.append(w.square().sum())
-    upd = torch.zeros(ng, device=dev).index_add_(0, idx, torch.stack(usq))
-    wgt = torch.zeros(ng, device=dev).index_add_(0, idx, torch.stack(wsq))
-    return grad, upd.sqrt() / wgt.sqrt()
+            rsum.append(zero)
+            count.append(zero)
+            kept.append(None)
+            continue
+        g = g.float() if coef is None else g.float() * coef  # as clipping will scale it
+        change, pdiag, ratio = adamw_terms(w, g, optimizer.state.get(p, {}), owner[id(p)])
+        usq.append(change.square().sum())
+        rsum.append(ratio.sum())
+        count.append(torch.full((), float(ratio.numel()), device=dev))
+        kept.append((change, pdiag) if keep else None)
+    stack = torch.stack
+    upd = torch.zeros(ng, device=dev).index_add_(0, idx, stack(usq))
+    wgt = torch.zeros(ng, device=dev).index_add_(0, idx, stack(wsq))
+    rs = torch.zeros(ng, device=dev).index_add_(0, idx, stack(rsum))
+    cn = torch.zeros(ng, device=dev).index_add_(0, idx, stack(count))
+    whole = stack([upd.sum().sqrt() / wgt.sum().sqrt(), rs.sum() / cn.sum().clamp(min=1)])
+    g2v = torch.where(cn > 0, rs / cn.clamp(min=1), torch.full_like(rs, -1.0))
+    return grad, upd.sqrt() / wgt.sqrt(), g2v, whole, kept if keep else None

@@ -51,6 +51,9 @@ class StabilityProbe:
     DETAILED_ONLY = frozenset({"attn_logit"})
     # The per-norm counts after the maxima, in buffer order (StepStats fields)
     COUNTS = ("norm_overflow", "norm_collapsed", "norm_nan_rows")
+    # The whole model's optimizer series (StepStats.opt; the curvature every few log steps,
+    # stability/curvature.py): -1 / -inf where not measured
+    OPT = ("update_ratio", "g2_v", "curv_u", "curv_pre")
 
     def __init__(self, model: nn.Module | ModelView, lead: int = 0):
         view = model if isinstance(model, ModelView) else view_of(model)
@@ -70,9 +73,11 @@ class StabilityProbe:
         self._o_norm, self._o_rms = o + nb + na, o + nb + na + nn_
         o += nb + na + 2 * nn_
         # minus each block's lowest head entropy (a max slot: max folds to the
-        # minimum), the output log Z max, per-group gradient norm and update/weight ratio
+        # minimum), the output log Z max, per-group gradient norm, update/weight ratio and
+        # mean g^2 / v_hat, then the optimizer's whole-model series (OPT)
         self._o_ent, self._o_lz, self._o_gn, self._o_upd = o, o + na, o + na + 1, o + na + 1 + ng
-        o += na + 1 + 2 * ng
+        self._o_g2v, self._o_opt = o + na + 1 + 2 * ng, o + na + 1 + 3 * ng
+        o += na + 1 + 3 * ng + len(self.OPT)
         self.n_maxima = o - lead
         self._o_over, self._o_dead, self._o_nan = (o + k * nn_ for k in (0, 1, 2))
         self._o_lzsum = o + 3 * nn_  # log Z summed over tokens, and the token count (summed)
@@ -119,6 +124,7 @@ class StabilityProbe:
         # not measured: entropy and log Z max -inf, the parameter norms -1 (unpack drops them)
         self._fresh[self._o_ent : self._o_gn] = -math.inf
         self._fresh[self._o_gn : self._o_over] = -1.0
+        self._fresh[self._o_opt + 2 : self._o_over] = -math.inf  # a curvature may be < 0
 
     def reset(self, detailed: bool = True, device=None, logged: bool | None = None) -> None:
         """Start a step: zero the statistics; ``detailed`` also measures the attention
@@ -230,23 +236,38 @@ class StabilityProbe:
             b[k] += lz.sum()
             b[k + 1] += lz.numel()
 
-    def record_params(self, optimizer, grad_norm: torch.Tensor, max_norm: float) -> None:
+    def record_params(
+        self, optimizer, grad_norm: torch.Tensor, max_norm: float, curvature=None
+    ) -> None:
         """On a logged step's optimizer step (gradients final and unscaled, nothing applied):
-        each block's gradient norm and the update/weight ratio the optimizer is about to
-        apply (param_stats.py), into their slots; no host sync."""
+        each block's gradient norm, the update/weight ratio the optimizer is about to apply
+        and its mean g^2 / v_hat, and the whole model's (param_stats.py), into their slots;
+        no host sync. ``curvature``: called with the parameters, their updates and
+        preconditioners, it returns the two curvature quotients (stability/curvature.py),
+        or None where it measured none."""
         if not self.logged or self.buf is None:
             return
         if self._param_idx is None or self._param_idx.device != self.buf.device:
             self._param_idx = torch.tensor(self._param_index, device=self.buf.device)
-        got = block_grad_update_norms(
-            self.param_groups, self._param_idx, optimizer, grad_norm, max_norm
-        )
+        got = block_grad_update_norms(self.param_groups, self._param_idx, optimizer, grad_norm,
+                                      max_norm, keep=curvature is not None)  # fmt: skip
         if got is None:  # sharded gradients: not measured here
             return
-        grad, ratio = got
-        ng = len(self.param_groups)
-        self.buf[self._o_gn : self._o_gn + ng] = grad
-        self.buf[self._o_upd : self._o_upd + ng] = ratio
+        grad, ratio, g2v, whole, kept = got
+        ng, b = len(self.param_groups), self.buf
+        b[self._o_gn : self._o_gn + ng] = grad
+        b[self._o_upd : self._o_upd + ng] = ratio
+        b[self._o_g2v : self._o_g2v + ng] = g2v
+        b[self._o_opt : self._o_opt + 2] = whole
+        if kept is not None and all(k is not None for k in kept):
+            params = [p for ps in self.param_groups.values() for p in ps]
+            buf, self.buf = self.buf, None  # the extra pass is not the step's: no statistics
+            try:
+                q = curvature(params, [k[0] for k in kept], [k[1] for k in kept])
+            finally:
+                self.buf = buf
+            if q is not None:
+                b[self._o_opt + 2 : self._o_opt + 4] = torch.tensor(q, device=b.device)
 
     def record_norm(self, j: int, x: torch.Tensor, ms: torch.Tensor | None, kind: str) -> None:
         """Called by norm j's training forward with its input and, for the explicit backend,
@@ -311,7 +332,7 @@ class StabilityProbe:
         nb, na, nn_ = len(self.blocks), len(self.attn), len(self.norms)
         at = {
             k: getattr(self, f"_o_{k}") - self.lead
-            for k in ("norm", "rms", "ent", "lz", "gn", "upd")
+            for k in ("norm", "rms", "ent", "lz", "gn", "upd", "g2v", "opt")
         }
         norm_max = maxima[at["norm"] : at["rms"]]
         blocks = maxima[:nb]
@@ -333,9 +354,11 @@ class StabilityProbe:
         lz_max, (lz_sum, n) = maxima[at["lz"]], counts[3 * nn_ :]
         out["log_z"] = {"mean": lz_sum / n, "max": lz_max} if n > 0 else {}
         groups = list(self.param_groups)
-        for field, o in (("layer_grad_norm", "gn"), ("update_ratio", "upd")):
+        for field, o in (("layer_grad_norm", "gn"), ("update_ratio", "upd"), ("g2_v", "g2v")):
             vals = maxima[at[o] : at[o] + len(groups)]
             out[field] = {g: v for g, v in zip(groups, vals, strict=True) if not v < 0}
+        opt = zip(self.OPT, maxima[at["opt"] : at["opt"] + len(self.OPT)], strict=True)
+        out["opt"] = {k: v for k, v in opt if v != -math.inf and not (k[:4] != "curv" and v < 0)}
         out["norm_dim"] = self.dims  # constant: the RMS line 255.94 / sqrt(D) needs D
         return out
 
