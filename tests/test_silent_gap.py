@@ -140,3 +140,24 @@ def test_a_pure_bf16_run_at_a_low_lr_is_bisected_to_its_master_weights(tmp_path)
                      cells[4])  # fmt: skip
     assert m, cells[4]
     assert int(m[1]) >= 80 and int(m[3]) <= 8
+
+
+def test_a_window_of_a_two_rank_run_replays_in_one_process_with_its_global_batch(tmp_path):
+    """The bisection's window replays a run of 2 torchrun ranks (DDP, gloo) in one process
+    with their global batch, from the run's step-4 checkpoint to its end: the replay's
+    held-out loss is the run's own (the same items per step; DDP's mean gradient)."""
+    from stabilize.replay.gap_bisect import Window
+
+    from conftest import FAST, launch_sh
+
+    run_dir = tmp_path / "two"
+    args = [*[a for a in FAST if not a.startswith("trainer.progress")], "trainer.max_steps=8",
+            "trainer.checkpoint_every_n_steps=4", "trainer.final_eval_batches=null",
+            "trainer.accelerator=cpu", "precision=fp32"]  # fmt: skip
+    r = launch_sh(run_dir, *args, cwd=tmp_path, nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    win = Window(run_dir, 4, 4, tmp_path / "work")
+    (tmp_path / "work").mkdir()
+    win.score(frozenset())
+    run = json.loads((run_dir / "final_eval.json").read_text())["loss"]
+    assert win.world == 2 and abs(win.last["loss"] - run) < 1e-4, (win.last["loss"], run)

@@ -5,7 +5,8 @@ to fp32 closes a run's gap to its reference (issue 37; docs/design-precision.md 
    significant to close, and the bisection says so without a replay.
 2. A window of W model steps is replayed from the run's last checkpoint at or before the
    step the gap opens (its initial state when there is none: the same seed builds the same
-   model), in this process, with the run's own config (``trainer.stop_at_step``: the LR
+   model), in this process (a run of several ranks with their global batch), with the
+   run's own config (``trainer.stop_at_step``: the LR
    schedule stays the run's), each replay scored on the held-out batches
    (``final_eval.json``'s ``batch_loss``). Replay A switches nothing; replay B switches
    every site of the model (``model/fp32_sites.py``: its norms and linear layers) to fp32.
@@ -76,6 +77,11 @@ class Window:
         self.cfg = RunConfig.from_saved(self.saved)
         self.start, self.steps, self.work = start, steps, work
         self.ckpt = _checkpoints(run_dir).get(start) if start else None
+        # a run of several ranks replays in this one process with their global batch: the
+        # same items per step (data/sampler.py), the checkpoint whole (DDP) or resharded
+        # on load (FSDP's DCP directory)
+        reps = run_dir / "replicas.json"
+        self.world = int(json.loads(reps.read_text()).get("world_size", 1)) if reps.exists() else 1
         self.replays = 0
         self.last: dict[str, Any] = {}  # the last replay's final_eval.json
 
@@ -98,6 +104,9 @@ class Window:
             values["optim"]["state_dtype"] = "fp32"
         if precision is not None:
             values["precision"] = precision
+        if self.world > 1:
+            values["data"]["batch_size"] = int(values["data"]["batch_size"]) * self.world
+            values["trainer"].update(devices=1, num_nodes=1, strategy="auto")
         values["logger"].update(wandb=False, csv=False)
         values["trainer"].update(stop_at_step=self.start + self.steps, progress="none")
         log = self.work / "replays.log"  # the replays' own output: a line each here instead
