@@ -55,7 +55,7 @@ def test_the_planted_gap_is_real_and_bisected_to_its_site(drill):
     saved = json.loads((drill / "runs" / "silent" / "gap" / "gap.json").read_text())
     assert saved["real"] is True and saved["sigma"] == pytest.approx(gap / noise)
     out = _sh(doc_command("gap-bisect"), drill).splitlines()
-    head = r"gap bisection over 14 sites, (\d) window replays \(bound ceil\(log2 14\) \+ 3 = 7\)"
+    head = r"gap bisection over 16 sites, (\d) window replays \(bound ceil\(log2 16\) \+ 3 = 7\)"
     found = re.match(head + r", steps 0-40: .* fp32 at lm_head closes (\d+)% ", out[-2])
     assert found, out[-2]
     assert int(found[1]) <= 7 and int(found[2]) >= 80
