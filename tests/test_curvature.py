@@ -219,3 +219,36 @@ def test_past_its_edge_a_small_model_starts_to_oscillate_at_adams_line_not_at_2_
     _, lam, at_onset = seen[0]
     assert 0.9 < lam / edge_adam < 1.15 and lam / edge_gd > 15  # Adam's line, not 2/lr
     assert max(c for _, _, c in seen) > max(0.6 * edge_adam, at_onset)
+
+
+def test_on_a_hugging_face_gpt2_the_series_reach_wandb_and_csv(tmp_path):
+    """A user's own LightningModule (Hugging Face GPT-2, tests/your_lm.py) with the public
+    callback: the curvature and g^2 / v_hat series are in the real offline W&B run and in
+    the CSV, with the same values at the same steps."""
+    pytest.importorskip("transformers")
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+    from your_lm import GPT2LM, loader
+
+    import stabilize
+    from stabilize.wandb_offline import find_offline_runs, read_offline_run
+
+    torch.manual_seed(0)
+    wandb = WandbLogger(save_dir=tmp_path, mode="offline", project="mine", anonymous=None)
+    csv_logger = CSVLogger(tmp_path, name="csv", version=0)
+    cb = stabilize.StabilityCallback(monitor={"curvature": {"every": 2}})
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", log_every_n_steps=1,
+                        logger=[csv_logger, wandb], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[cb], default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(GPT2LM(n_layer=2, n_embd=16, n_head=2), loader())
+    wandb.experiment.finish()
+    (offline,) = find_offline_runs(tmp_path / "wandb")
+    history = read_offline_run(offline, wait_s=30).history
+    # in W&B's own row order (its _step counts log calls, not Lightning's steps)
+    in_wandb = [r["opt/curv_pre"] for r in sorted(history, key=lambda r: r["_step"])
+                if "opt/curv_pre" in r]  # fmt: skip
+    rows = read_csv_metrics(tmp_path)  # tmp_path/csv/version_0
+    in_csv = {int(r["step"]): r["opt/curv_pre"] for r in rows if "opt/curv_pre" in r}
+    assert sorted(in_csv) == [1, 3]  # the 2nd and 4th steps: one log step in 2
+    assert in_wandb == pytest.approx([in_csv[1], in_csv[3]])
+    assert any("g2_v/transformer.h.0" in r for r in history) and any("opt/g2_v" in r for r in rows)
