@@ -31,13 +31,11 @@ import tempfile
 from pathlib import Path
 
 from stabilize.bench.lib import CONFIGS, StepClock, compose_cfg, prepare, run_overrides, train_with
-from stabilize.bench.monitor_toggle import Toggle
+from stabilize.bench.monitor_toggle import Toggle, toggled
 from stabilize.bench.stats import (
     BLOCK,
-    block_means,
     load_average,
     print_table,
-    quad_overheads,
     span,
 )
 from stabilize.lit.stability import StabilityCallback
@@ -88,16 +86,7 @@ def bench(name: str, args, tmp: Path) -> dict:
     cfg = compose_cfg(str(tmp / name), [*common, "rollback.durable_every=0"])
     clock = LogitToggle(args.warmup)
     train_with(cfg, clock)
-    out = {"name": name, "quads": n_blocks // 4}
-    for key in ("t", "cpu"):
-        means = block_means(getattr(clock, key), args.warmup, n_blocks)
-        out[f"{key}_off_ms"] = 1000 * statistics.median(
-            m for b, m in enumerate(means) if not clock.on[b]
-        )
-        out[f"{key}_on_ms"] = 1000 * statistics.median(
-            m for b, m in enumerate(means) if clock.on[b]
-        )
-        out[key] = quad_overheads(means)
+    out = {"name": name, "quads": n_blocks // 4, **toggled(clock, args.warmup, n_blocks)}
     print(
         f"  {name}: {100 * statistics.median(out['t']):+.1f}% over {out['quads']} quads", flush=True
     )

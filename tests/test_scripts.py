@@ -176,3 +176,15 @@ def test_bench_your_model_prints_both_models_and_a_verdict_its_numbers_carry(tmp
             assert words.startswith("not resolved at 1 point")
     bad = run_cli([sys.executable, script, "--rounds", "0"], cwd=tmp_path)
     assert bad.returncode == 2 and "--rounds=0 is not allowed" in bad.stderr
+
+
+@pytest.mark.slow  # one 42-step run, as test_bench_logits_smoke
+def test_bench_curvature_smoke(tmp_path):
+    script = str(ROOT / "scripts" / "bench_curvature.py")
+    args = [sys.executable, script, "--configs", "tiny", "--steps", "40", "--warmup", "2"]
+    r = run_cli([*args, "--threads", "1"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = next(ln for ln in r.stdout.splitlines() if ln.startswith("| tiny | CPU |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # the pass runs in the on blocks only: they cost more than the off blocks
+    assert float(cells[3]) > float(cells[2]) and float(cells[6]) > 0

@@ -104,3 +104,19 @@ def toggle_bench(
         )
     out["quads"] = len(out["t"])
     return out
+
+
+def toggled(clock: Toggle, warmup: int, n_blocks: int) -> dict:
+    """Per clock (``t`` wall, ``cpu`` process time): the median ms/step of the off and the
+    on blocks, and each quad's overhead (on / off - 1)."""
+    import statistics
+
+    out: dict = {}
+    for key in ("t", "cpu"):
+        means = block_means(getattr(clock, key), warmup, n_blocks)
+        for state in ("off", "on"):
+            out[f"{key}_{state}_ms"] = 1000 * statistics.median(
+                m for b, m in enumerate(means) if clock.on[b] == (state == "on")
+            )
+        out[key] = quad_overheads(means)
+    return out
