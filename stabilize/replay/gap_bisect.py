@@ -106,7 +106,9 @@ class Window:
             values["precision"] = precision
         if self.world > 1:
             values["data"]["batch_size"] = int(values["data"]["batch_size"]) * self.world
-            values["trainer"].update(devices=1, num_nodes=1, strategy="auto")
+            values["trainer"].update(devices=1, num_nodes=1)
+            if values["trainer"].get("strategy") != "fsdp":  # FSDP2 runs on one rank too
+                values["trainer"]["strategy"] = "auto"
         values["logger"].update(wandb=False, csv=False)
         values["trainer"].update(stop_at_step=self.start + self.steps, progress="none")
         log = self.work / "replays.log"  # the replays' own output: a line each here instead

@@ -95,6 +95,7 @@ def step_gradient(trainer, host, batches, positions, params) -> list[torch.Tenso
     state are kept."""
     saved = [p.grad for p in params]
     rng = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         for p in params:
             p.grad = None
@@ -111,6 +112,8 @@ def step_gradient(trainer, host, batches, positions, params) -> list[torch.Tenso
         for p, g in zip(params, saved, strict=True):
             p.grad = g
         torch.set_rng_state(rng)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def curvature_pass(trainer, host, optimizer, batches, positions, rel: float = REL):
