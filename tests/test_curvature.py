@@ -2,8 +2,8 @@
 ``adamw_terms``): the curvature along a direction on a quadratic with a known Hessian
 (float64, by hand), the difference quotient against an exact double backward on the tiny
 GPT, AdamW's g^2 / v_hat and preconditioner against a float64 AdamW by hand, and a real
-Lightning run that logs the series on log steps at one extra forward and backward per
-curvature step without changing the run."""
+Lightning run that logs the series on log steps at two extra forward and backward passes
+per curvature step without changing the run."""
 
 from __future__ import annotations
 
@@ -106,11 +106,11 @@ class _Forwards(L.Callback):
         pl_module.model.register_forward_hook(hook)
 
 
-def test_a_run_logs_the_series_on_log_steps_at_one_extra_pass_and_the_same_losses(tmp_path):
+def test_a_run_logs_the_series_on_log_steps_at_two_extra_passes_and_the_same_losses(tmp_path):
     """8 steps, a log step every 2, the curvature on every log step: g2_v and update ratios
     per block and whole, curv_u / curv_pre beside their lines on the 4 log steps and on no
     other; 8 + 2 x 4 training forwards; the losses are those of the run without it, bit
-    for bit (the pass restores the weights, the gradients and the RNG)."""
+    for bit (the pass restores the weights and leaves every .grad alone)."""
     from stabilize.lit.runner import run
 
     common = [*FAST, "trainer.max_steps=8", "trainer.log_every_n_steps=2", "model.dropout=0.1"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -72,3 +73,22 @@ def test_the_choices_map_to_ddp_hooks_and_fsdp_policies():
     assert ddp_hook("grad") is None and fsdp_policy("grad") is None  # the backends' own
     assert callable(ddp_hook("fp32")) and fsdp_policy("fp32").reduce_dtype == torch.float32
     assert fsdp_policy("bf16").reduce_dtype == torch.bfloat16
+
+
+@pytest.mark.slow  # two torchrun launches; test_a_bf16_all_reduce... covers the hook itself
+def test_lightning_ddp_on_cpu_takes_the_bf16_reduce(tmp_path):
+    """trainer.grad_reduce_dtype=bf16 reaches Lightning's DDP on CPU (whose own strategy
+    registers a comm hook on CUDA only): two 2-rank gloo runs, the same first loss (no
+    update yet), then different losses from the first bf16-reduced update on."""
+    from conftest import FAST, launch_sh, read_csv_metrics
+
+    args = [*[a for a in FAST if not a.startswith("trainer.progress")], "trainer.max_steps=4",
+            "trainer.accelerator=cpu", "precision=fp32", "trainer.strategy=ddp"]  # fmt: skip
+    loss = {}
+    for name in ("grad", "bf16"):
+        run_dir = tmp_path / name
+        r = launch_sh(run_dir, *args, f"trainer.grad_reduce_dtype={name}", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        loss[name] = [row["train/loss"] for row in read_csv_metrics(run_dir) if "train/loss" in row]
+    assert len(loss["grad"]) == len(loss["bf16"]) == 4
+    assert loss["grad"][0] == loss["bf16"][0] and loss["grad"][1:] != loss["bf16"][1:]

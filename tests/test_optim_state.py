@@ -4,6 +4,7 @@ and the gap bisection counts it as a site of the run."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from stabilize.lit.optim_state import MasterWeights, round_moments_to_bf16
 from stabilize.model.config import GPTConfig
 from stabilize.replay.gap_bisect import LOSS, MASTER, OPTIM_STATE, run_sites
-from stabilize.run.config import OptimConfig, PrecisionConfig
+from stabilize.run.config import OptimConfig, PrecisionConfig, TrainerConfig
 
 B1, B2 = 0.9, 0.95
 
@@ -47,9 +48,10 @@ def test_the_moments_are_bf16_after_each_step_as_a_float64_adam_says():
     assert not torch.equal(st["exp_avg_sq"], plain["exp_avg_sq"])  # the knob does something
 
 
-def _cfg(precision="bf16-mixed", loss="fp32", **optim):
+def _cfg(precision="bf16-mixed", loss="fp32", strategy="auto", **optim):
     return SimpleNamespace(model=GPTConfig(loss_dtype=loss), optim=OptimConfig(**optim),
-                           precision=PrecisionConfig(name=precision))  # fmt: skip
+                           precision=PrecisionConfig(name=precision),
+                           trainer=TrainerConfig(strategy=strategy))  # fmt: skip
 
 
 def test_the_bisection_counts_a_run_site_only_where_it_is_not_fp32():
@@ -60,6 +62,7 @@ def test_the_bisection_counts_a_run_site_only_where_it_is_not_fp32():
     assert run_sites(_cfg("bf16-true", "logits")) == [LOSS, MASTER]
     assert run_sites(_cfg("bf16-true", master_dtype="fp32")) == []
     assert run_sites(_cfg(master_dtype="fp32", state_dtype="bf16")) == [OPTIM_STATE]
+    assert run_sites(_cfg("bf16-true", strategy="fsdp")) == []  # no fp32 masters under FSDP
 
 
 def test_an_fp32_master_keeps_the_updates_a_pure_bf16_weight_loses():
@@ -124,3 +127,32 @@ def test_bf16_true_with_an_fp32_master_trains_and_resumes_exactly(tmp_path):
     for s, t in zip(a["optimizer_states"][0]["state"].values(),
                     b["optimizer_states"][0]["state"].values(), strict=True):  # fmt: skip
         assert torch.equal(s["exp_avg_sq"], t["exp_avg_sq"])
+
+
+def test_a_rollback_restore_takes_the_masters_from_the_restored_weights():
+    """The harness restores a snapshot as weights, then optimizer state (controller.py):
+    the masters of the discarded steps must go with them. 2 steps, a snapshot, 3 more
+    steps, the restore: each master is its restored weight (the snapshot holds no master),
+    not the later master that still rounds to it."""
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([w], lr=1e-3, betas=(B1, B2), weight_decay=0.0)
+    mw = MasterWeights(opt, torch.nn.ParameterList([w]))
+
+    def step():
+        w.grad = torch.ones(4, dtype=torch.bfloat16)
+        mw.before_step()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    snap = {"w": w.detach().clone(), "opt": copy.deepcopy(opt.state_dict())}
+    for _ in range(3):
+        step()
+    (later,) = mw.state_dict().values()
+    assert torch.equal(later.bfloat16(), snap["w"]) and float(later[0]) < 1 - 4e-3
+    with torch.no_grad():
+        w.copy_(snap["w"])  # the restore: weights first, then the optimizer
+    opt.load_state_dict(snap["opt"])
+    (m,) = mw.state_dict().values()
+    assert torch.equal(m, snap["w"].float())  # not the discarded steps' master
+    assert next(iter(opt.state.values()))["exp_avg"].dtype == torch.float32

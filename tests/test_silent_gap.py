@@ -110,8 +110,9 @@ def test_the_precision_table_script_writes_its_block(tmp_path):
 
 
 def test_the_judge_shows_what_the_bisection_and_the_tail_found(drill):
-    """After the commands above, stabilize-gap shows their findings beside its judgement
-    (RUN/gap/bisection.json, tail.json), the same words the commands printed."""
+    """After the commands above (this test reads what the file's earlier tests wrote: run
+    the file whole), stabilize-gap shows their findings beside its judgement
+    (RUN/gap/bisection.json, tail.json, made against the same references)."""
     out = _sh(doc_command("gap-judge"), drill, ok=(0,))
     found = json.loads((drill / "runs" / "silent" / "gap" / "gap.json").read_text())
     assert found["bisection"]["culprits"] == ["lm_head"] and found["tail"]["start"] == 0

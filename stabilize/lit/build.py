@@ -10,14 +10,13 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import DDPStrategy
 
 from stabilize.compat import wandb_init_kwargs
 from stabilize.lit.audit import NormAudit
 from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
 from stabilize.lit.fsdp import fsdp_strategy
-from stabilize.lit.grad_reduce import ddp_hook
+from stabilize.lit.grad_reduce import ddp_strategy
 from stabilize.lit.preempt import build as preempt_callback
 from stabilize.lit.progress import PlainProgress, StepBar
 from stabilize.lit.stability import StabilityCallback
@@ -68,7 +67,7 @@ def device_args(cfg: TrainerConfig, env: LaunchEnv) -> dict:
     if strategy == "auto":
         strategy = "ddp" if devices * num_nodes > 1 else "auto"
     if strategy == "ddp":
-        strategy = DDPStrategy(timeout=timeout, ddp_comm_hook=ddp_hook(cfg.grad_reduce_dtype))
+        strategy = ddp_strategy(cfg.grad_reduce_dtype, timeout=timeout)
     elif strategy == "fsdp":  # FSDP2, on CPU too (lit/fsdp.py)
         strategy = fsdp_strategy(devices * num_nodes, timeout)
     return {"devices": devices, "num_nodes": num_nodes, "strategy": strategy}

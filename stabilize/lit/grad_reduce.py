@@ -2,18 +2,21 @@
 precision site of a multi-rank run (issue 37; docs/precision.md).
 
 DDP all-reduces each bucket of gradients in their own dtype (fp32 under mixed precision).
-A recipe that communicates in bf16 halves the traffic and rounds every gradient to bf16
-twice (its share before the sum, and the sum); one that upcasts bf16-true gradients to fp32
-sums them without that rounding. ``reduce_in(dtype)`` is a DDP communication hook that
-does either on any backend (PyTorch's own bf16 hook wants NCCL): each bucket divided by
-the world size, cast to ``dtype``, summed, and cast back into the bucket. Under FSDP2 the
-same choice is ``MixedPrecisionPolicy(reduce_dtype=...)`` (``fsdp_policy``).
+A recipe that communicates in bf16 halves the traffic and rounds every gradient to bf16:
+each rank's share before the sum, and the sum's partial results as the backend adds them
+(once with 2 ranks; at every step of a ring or a tree with more); one that upcasts bf16-true
+gradients to fp32 sums them without that rounding. ``reduce_in(dtype)`` is a DDP
+communication hook that does either on any backend (PyTorch's own bf16 hook wants NCCL):
+each bucket divided by the world size, cast to ``dtype``, summed, and cast back into the
+bucket; ``ddp_strategy`` registers it on CPU too (Lightning's DDPStrategy only on CUDA).
+Under FSDP2 the same choice is ``MixedPrecisionPolicy(reduce_dtype=...)`` (``fsdp_policy``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -33,6 +36,23 @@ def reduce_in(dtype: torch.dtype):
         return fut.then(back)
 
     return hook
+
+
+class ReduceDDPStrategy(DDPStrategy):
+    """Lightning's DDPStrategy with its communication hook registered on every device:
+    Lightning's own registers a ``ddp_comm_hook`` on CUDA only, and would drop this one on
+    CPU (gloo) without a word."""
+
+    def _register_ddp_hooks(self) -> None:
+        super()._register_ddp_hooks()
+        if self._ddp_comm_hook is not None and self.root_device.type != "cuda":
+            self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+
+
+def ddp_strategy(name: str, **kwargs) -> DDPStrategy:
+    """The DDP strategy for ``trainer.grad_reduce_dtype`` (Lightning's own for ``grad``)."""
+    hook = ddp_hook(name)
+    return ReduceDDPStrategy(ddp_comm_hook=hook, **kwargs) if hook else DDPStrategy(**kwargs)
 
 
 def ddp_hook(name: str):

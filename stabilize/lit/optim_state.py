@@ -39,11 +39,15 @@ class MasterWeights:
     How: at ``before_step`` (Lightning's ``on_before_optimizer_step``: the step's gradients
     are final, before clipping) each 16-bit parameter's storage is swapped for its master
     and its gradient upcast, so clipping and AdamW see fp32 (AdamW's moments are created
-    fp32); the optimizer's step post-hook rounds the result back into a 16-bit storage. A
-    master that no longer rounds to its parameter (a rollback or a load restored the
-    weights) starts again from the parameter. Loading the optimizer's state swaps the
-    masters in first, so its fp32 moments are not cast to 16 bits on the way in. The
-    masters travel in the checkpoint by parameter name (``state_dict`` / ``load``)."""
+    fp32); the optimizer's step post-hook rounds the result back into a 16-bit storage.
+    Loading the optimizer's state (a resume, or a rollback's restore: the harness restores
+    the weights first) drops the masters held and swaps fp32 copies in first, so its fp32
+    moments are not cast to 16 bits on the way in; the masters then come from the checkpoint
+    (``load``, by parameter name) where one holds them, else from the restored weights (a
+    rollback's snapshot holds none: the sub-bf16 progress since it is not kept, nor any of
+    the discarded steps'). Only then is each master checked against its parameter (it must
+    round to it), not on every step. The masters travel in the checkpoint by parameter name
+    (``state_dict``)."""
 
     def __init__(self, opt: torch.optim.Optimizer, model: torch.nn.Module):
         self.opt = opt
@@ -51,9 +55,14 @@ class MasterWeights:
         self.master: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.pending: dict[str, torch.Tensor] = {}  # loaded by name, taken on first use
         self.swapped: list[tuple[torch.nn.Parameter, torch.dtype]] = []
+        self.verify = True  # check the masters against the weights at the next swap
         opt.register_step_post_hook(self._after_step)
-        opt.register_load_state_dict_pre_hook(lambda o, sd: self._swap_in(grads=False))
+        opt.register_load_state_dict_pre_hook(self._before_load)
         opt.register_load_state_dict_post_hook(lambda o: self._swap_out())
+
+    def _before_load(self, opt, state_dict) -> None:
+        self.master, self.verify = {}, True  # the weights are being restored: see above
+        self._swap_in(grads=False)
 
     def _low(self) -> list[torch.nn.Parameter]:
         return [p for g in self.opt.param_groups for p in g["params"] if p.dtype in SIXTEEN]
@@ -62,9 +71,11 @@ class MasterWeights:
         m = self.master.get(p)
         if m is None:
             m = self.pending.pop(self.names.get(p, ""), None)
-        if m is None or m.shape != p.shape or not torch.equal(m.to(p.dtype), p.data):
-            m = p.detach().float().clone()
-        return m
+            if m is not None and (m.shape != p.shape or not torch.equal(m.to(p.dtype), p.data)):
+                m = None  # a checkpoint's master that is not its weight's: not this run's
+        elif self.verify and not torch.equal(m.to(p.dtype), p.data):
+            m = None
+        return m if m is not None else p.detach().float().clone()
 
     @torch.no_grad()
     def _swap_in(self, grads: bool = True) -> None:
@@ -86,6 +97,7 @@ class MasterWeights:
 
     def before_step(self) -> None:
         self._swap_in()
+        self.verify = False
 
     def _after_step(self, opt, args, kwargs) -> None:
         self._swap_out()
@@ -94,4 +106,4 @@ class MasterWeights:
         return {self.names[p]: m for p, m in self.master.items() if p in self.names}
 
     def load(self, saved: dict[str, torch.Tensor]) -> None:
-        self.master, self.pending = {}, dict(saved)
+        self.master, self.pending, self.verify = {}, dict(saved), True

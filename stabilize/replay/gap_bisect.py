@@ -9,13 +9,16 @@ to fp32 closes a run's gap to its reference (issue 37; docs/design-precision.md 
    run's own config (``trainer.stop_at_step``: the LR
    schedule stays the run's), each replay scored on the held-out batches
    (``final_eval.json``'s ``batch_loss``). Replay A switches nothing; replay B switches
-   every site of the model (``model/fp32_sites.py``: its norms and linear layers) to fp32.
+   every site to fp32: the model's (``model/fp32_sites.py``: its norms, linear layers and
+   attention cores) and the run's (``run_sites``: the loss, the master weights, the
+   optimizer's state, where they are 16-bit).
    The window's gap is G = mean over batches of (A - B), its error the batches' standard
    error; G within two of them: not a precision gap at these sites.
 3. A set S of sites closes ``(A - S) / G`` of it; ``minimize`` (the norm and data
    bisections' halving) finds the fewest sites that close >= ``share`` (80%). Replays are
    counted: A, B, one per halving, a confirmation: at most ceil(log2(sites)) + 3 for one
-   culprit. The override that applies the result: ``++model.fp32_modules=[...]``.
+   culprit. The overrides that apply the result (``override``): ``++model.fp32_modules=
+   [...]`` for the modules, and each run site's own key.
 
 The replays are deterministic (the same state, data order and seeds): what differs between
 them is the switch alone, so their differences need no seed band. The gap itself is also
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import shutil
 import statistics
@@ -51,7 +55,8 @@ def run_sites(cfg) -> list[str]:
     gradient all-reduce is a site of a multi-rank run; the window replays run in one
     process, where there is no all-reduce to switch.)"""
     out = [LOSS] if cfg.model.loss_dtype != "fp32" else []
-    if cfg.precision.name == "bf16-true" and cfg.optim.master_dtype == "param":
+    bf16_weights = cfg.precision.name == "bf16-true" and cfg.optim.master_dtype == "param"
+    if bf16_weights and cfg.trainer.strategy != "fsdp":  # no fp32 masters under FSDP (yet)
         out.append(MASTER)
     return out + ([OPTIM_STATE] if cfg.optim.state_dtype != "fp32" else [])
 
@@ -64,6 +69,21 @@ def _checkpoints(run_dir: Path) -> dict[int, Path]:
             out[int(p.stem.split("-")[1])] = p
         except (IndexError, ValueError):
             continue
+    return out
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """{model step: training loss} from a run dir's CSV (every version, the later value of
+    a step kept)."""
+    import csv
+
+    out: dict[int, float] = {}
+    for f in sorted((run_dir / "csv").glob("version_*/metrics.csv"),
+                    key=lambda p: int(p.parent.name.split("_")[1])):  # fmt: skip
+        with open(f, newline="") as fh:
+            for row in csv.DictReader(fh):
+                if row.get("train/loss") and row.get("train/step"):
+                    out[int(float(row["train/step"]))] = float(row["train/loss"])
     return out
 
 
@@ -84,10 +104,14 @@ class Window:
         self.world = int(json.loads(reps.read_text()).get("world_size", 1)) if reps.exists() else 1
         self.replays = 0
         self.last: dict[str, Any] = {}  # the last replay's final_eval.json
+        self.curve: dict[int, float] = {}  # the last replay's training loss per model step
 
-    def score(self, fp32: frozenset[str], precision: dict | None = None) -> list[float]:
+    def score(self, fp32: frozenset[str], precision: dict | None = None, edit=None,
+              what: str = "") -> list[float]:  # fmt: skip
         """The held-out batch losses after the window, ``fp32`` switched (``precision``:
-        another ``precision`` section for the window, the tail's)."""
+        another ``precision`` section for the window, the tail's; ``edit``: called with the
+        replay's config values to change them, ``what`` says how in its line). The
+        training loss of every step of the window is kept in ``self.curve``."""
         from stabilize.lit.runner import run
         from stabilize.run.config import RunConfig
 
@@ -104,25 +128,36 @@ class Window:
             values["optim"]["state_dtype"] = "fp32"
         if precision is not None:
             values["precision"] = precision
+        if edit is not None:
+            edit(values)
         if self.world > 1:
             values["data"]["batch_size"] = int(values["data"]["batch_size"]) * self.world
             values["trainer"].update(devices=1, num_nodes=1)
             if values["trainer"].get("strategy") != "fsdp":  # FSDP2 runs on one rank too
                 values["trainer"]["strategy"] = "auto"
-        values["logger"].update(wandb=False, csv=False)
-        values["trainer"].update(stop_at_step=self.start + self.steps, progress="none")
+        values["logger"].update(wandb=False, csv=True)  # every step's loss: self.curve
+        values["trainer"].update(stop_at_step=self.start + self.steps, progress="none",
+                                 log_every_n_steps=1)  # fmt: skip
+        values.setdefault("monitor", {}).setdefault("curvature", {})["enabled"] = False
         log = self.work / "replays.log"  # the replays' own output: a line each here instead
+        chatter = logging.getLogger("lightning.pytorch")  # its restore lines go to a handler
+        level = chatter.level
         try:
             with open(log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                chatter.setLevel(logging.WARNING)
                 run(RunConfig.from_saved(values))
         except BaseException:  # what the replay printed, before its traceback
             print("".join(log.read_text().splitlines(True)[-20:]), file=sys.stderr)
             raise
+        finally:
+            chatter.setLevel(level)
         score = self.last = json.loads((out / "final_eval.json").read_text())
+        self.curve = train_losses(out)
         which = "nothing" if not fp32 else f"{len(fp32)} site{'s' if len(fp32) > 1 else ''}"
         prec = "" if precision is None else f" under {precision['name']}"
-        print(f"  replay {self.replays}: steps {self.start}-{self.start + self.steps} with "
-              f"{which} in fp32{prec}: held-out loss {score['loss']:.4f}", flush=True)  # fmt: skip
+        what = what or f"with {which} in fp32{prec}"
+        print(f"  replay {self.replays}: steps {self.start}-{self.start + self.steps} {what}: "
+              f"held-out loss {score['loss']:.4f}", flush=True)  # fmt: skip
         shutil.rmtree(out, ignore_errors=True)
         if not score.get("batch_loss"):
             raise ValueError("the replay's held-out score has no per-batch losses")
@@ -207,12 +242,17 @@ def gap_main(run_dir: Path, refs: list[Path], window: int | None, share: float) 
               "against the reference's seed noise)")  # fmt: skip
         return 1
     b["override"] = override(b["culprits"]) if b["culprits"] else None
-    _keep(run_dir, "bisection.json", b)
+    _keep(run_dir, "bisection.json", {**b, "reference": _names(refs)})
     print(bisection_words(b))
     if not b["culprits"]:
         return 1
     print(f"run with: {b['override']}")
     return 0
+
+
+def _names(refs: list[Path]) -> list[str]:
+    """The reference's run dirs as absolute paths, sorted: what a finding was made against."""
+    return sorted(str(Path(r).resolve()) for r in refs)
 
 
 def _keep(run_dir: Path, name: str, found: dict) -> None:
@@ -264,6 +304,6 @@ def tail(run_dir: Path, refs: list[Path], start: int) -> dict[str, Any]:
 
 def tail_main(run_dir: Path, refs: list[Path], start: int) -> int:
     t = tail(run_dir, refs, start)
-    _keep(run_dir, "tail.json", t)
+    _keep(run_dir, "tail.json", {**t, "reference": _names(refs)})
     print(tail_words(t))
     return 1 if t["share"] is None else 0

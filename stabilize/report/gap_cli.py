@@ -45,15 +45,19 @@ def plot(j, out: Path, title: str) -> Path:
     return path
 
 
-def found_before(run: Path) -> dict:
-    """What ``stabilize-replay --gap`` / ``--tail`` found for this run, where they ran:
-    ``RUN/gap/bisection.json`` and ``RUN/gap/tail.json`` (an unreadable one is left out)."""
+def found_before(run: Path, refs: list[Path]) -> dict:
+    """What ``stabilize-replay --gap`` / ``--tail`` found for this run against these same
+    reference dirs, where they ran: ``RUN/gap/bisection.json`` and ``RUN/gap/tail.json``
+    (one made against other references, or unreadable, is left out)."""
+    names = sorted(str(Path(r).resolve()) for r in refs)
     out = {}
     for key in ("bisection", "tail"):
         try:
-            out[key] = json.loads((run / "gap" / f"{key}.json").read_text())
+            found = json.loads((run / "gap" / f"{key}.json").read_text())
         except (OSError, ValueError):
             continue
+        if isinstance(found, dict) and found.get("reference") == names:
+            out[key] = found
     return out
 
 
@@ -87,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gap of {args.run} to {len(refs)} reference seed(s):")
     for line in j.lines():
         print(f"  {line}")
-    found = found_before(args.run)
+    found = found_before(args.run, args.reference)
     for key, words in (("bisection", bisection_words), ("tail", tail_words)):
-        if key in found:
+        try:
             print(f"  {words(found[key])} (stabilize-replay, {key}.json)")
+        except (KeyError, TypeError, ValueError):  # absent, or a file of another version
+            found.pop(key, None)
     out = args.out or args.run / "gap"
     out.mkdir(parents=True, exist_ok=True)
     g = j.primary

@@ -316,9 +316,9 @@ class RunConfig:
             )
         if self.optim.master_dtype == "fp32" and self.trainer.strategy == "fsdp":
             raise ConfigError(
-                "optim.master_dtype='fp32' is not allowed with trainer.strategy='fsdp' (FSDP "
-                "keeps the master copy itself: its parameters stay fp32 under bf16-mixed); "
-                "allowed with: auto, ddp"
+                "optim.master_dtype='fp32' is not allowed with trainer.strategy='fsdp' (fp32 "
+                "masters of sharded weights are not built; precision=bf16-mixed keeps the "
+                "sharded parameters in fp32); allowed with: auto, ddp"
             )
         red = self.model.norm.reduction_dtype
         sixteen = red in ("bf16", "fp16") or (red == "input" and self.precision.name == "bf16-true")

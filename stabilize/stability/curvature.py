@@ -77,9 +77,9 @@ def quotients(
     u: Sequence[torch.Tensor], hu: Sequence[torch.Tensor], pdiag: Sequence[torch.Tensor]
 ) -> tuple[float, float]:
     """(u^T H u / ||u||^2, u^T H u / u^T P u), P diagonal given as ``pdiag``."""
-    uhu = float(dot64(u, hu))
-    upu = sum((x.double() ** 2 * p.double()).sum() for x, p in zip(u, pdiag, strict=True))
-    return uhu / float(dot64(u, u)), uhu / float(upu)
+    uhu, uu = float(dot64(u, hu)), float(dot64(u, u))
+    upu = float(sum((x.double() ** 2 * p.double()).sum() for x, p in zip(u, pdiag, strict=True)))
+    return (uhu / uu if uu else math.nan), (uhu / upu if upu else math.nan)
 
 
 def stability_lines(lr: float, beta1: float) -> tuple[float, float]:
@@ -88,29 +88,30 @@ def stability_lines(lr: float, beta1: float) -> tuple[float, float]:
 
 
 def step_gradient(trainer, host, batches, positions, params) -> list[torch.Tensor]:
-    """The gradient of the step's micro-batches at the weights as they are now, in fp32
-    (no autocast: a difference of two gradients needs more than 16 bits), dropout seeded
-    by data position as the step's own, the mean over ranks; clean: no fault armed and no
-    statistics (the caller turns the probe off). The step's own gradients and the RNG
-    state are kept."""
-    saved = [p.grad for p in params]
+    """The gradient of the step's micro-batches with respect to ``params`` at the weights as
+    they are now, in fp32 (no autocast: a difference of two gradients needs more than 16
+    bits), dropout seeded by data position as the step's own, the mean over ranks; clean: no
+    fault armed and no statistics (the caller turns the probe off). ``torch.autograd.grad``:
+    no ``.grad`` of any parameter is touched (the watched model's or another's). The RNG
+    state is kept."""
     rng = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
-        for p in params:
-            p.grad = None
+        total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         for batch, pos in zip(batches, positions, strict=True):
             host.seed_dropout(pos)
-            (host.loss(batch).float() / len(batches)).backward()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            loss = host.loss(batch).float() / len(batches)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            for t, g in zip(total, grads, strict=True):
+                if g is not None:
+                    t.add_(g.float())
         if trainer.world_size > 1:  # the mean over ranks, as DDP's reduce
-            flat = torch.cat([g.reshape(-1).float() for g in grads]) / trainer.world_size
+            flat = torch.cat([g.reshape(-1) for g in total]) / trainer.world_size
             torch.distributed.all_reduce(flat)
-            grads = list(flat.split([g.numel() for g in grads]))
-        return [g.float().reshape(p.shape) for g, p in zip(grads, params, strict=True)]
+            total = [f.reshape(p.shape) for f, p in
+                     zip(flat.split([g.numel() for g in total]), params, strict=True)]  # fmt: skip
+        return total
     finally:
-        for p, g in zip(params, saved, strict=True):
-            p.grad = g
         torch.set_rng_state(rng)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
@@ -130,8 +131,8 @@ def curvature_pass(trainer, host, optimizer, batches, positions, rel: float = RE
         n2 = float(dot64(updates, updates))
         if not (n2 > 0 and math.isfinite(n2)):
             return None
-        inj = host.injector
-        fires = inj is not None and not inj.disabled and inj.fires(host.train_state.model_step + 1)
+        inj = host.injector  # fired at this step (read, not asked: fires() marks a firing)
+        fires = inj is not None and host.train_state.model_step + 1 in inj.fired
         if trainer.world_size > 1:  # every rank takes the same decision
             flag = torch.tensor([float(fires)], device=host.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
