@@ -45,6 +45,18 @@ COMMANDS: dict[str, str] = {
     "gap-tail": "stabilize-replay --tail 0 runs/silent --reference runs/fp32-*",
     "precision-table": "python scripts/precision_table.py",
     "hvp-check": "python scripts/hvp_check.py",
+    # docs/design-spikes.md: the spike counterfactual's drill (tests/test_spike_counterfactual.py)
+    "spike-refs": "for s in 1234 1235 1236; do stabilize-train experiment=main precision=fp32 "
+    "trainer.max_steps=80 optim.grad_clip=0 optim.lr=1e-3 rollback.enabled=false seed=$s "
+    "run_dir=runs/calm-$s; done",
+    "spike-grad": "stabilize-train experiment=main precision=fp32 trainer.max_steps=80 "
+    "optim.grad_clip=0 optim.lr=1e-3 rollback.enabled=false fault=grad_spike fault.step=30 "
+    "fault.factor=1000 trainer.checkpoint_every_n_steps=20 run_dir=runs/grad-spike",
+    "spike-loss": "stabilize-train experiment=main precision=fp32 trainer.max_steps=80 "
+    "optim.grad_clip=0 optim.lr=1e-3 rollback.enabled=false fault=loss_spike fault.step=30 "
+    "fault.factor=5 trainer.checkpoint_every_n_steps=20 run_dir=runs/loss-spike",
+    "spike-cf-grad": "stabilize-replay --spike runs/grad-spike --reference runs/calm-*",
+    "spike-cf-loss": "stabilize-replay --spike runs/loss-spike --reference runs/calm-*",
     "precision-table-pure": "python scripts/precision_table.py --runs pure-bf16 --set "
     "optim.lr=3e-5 --block precision-table-pure",
     # docs/data.md

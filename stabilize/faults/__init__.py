@@ -5,7 +5,7 @@ forward, rollback and checkpoint state), registered by name (``base.register_fau
 ``fault.kind`` (``FaultConfig``, the Hydra ``fault=`` group) picks one and
 ``FaultInjector`` drives it.
 
-Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike`` (``point.py``),
+Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike``, ``loss_spike`` (``point.py``),
 ``activation_drift`` (``drift.py``), ``stream_drift`` (``stream.py``), ``bitflip``,
 ``poisoned_batch`` and ``poisoned_item`` (``silent.py``), ``biased_round`` (``rounding.py``).
 Each has its config dataclass (``FaultConfig``'s common keys plus its own knobs);

@@ -91,3 +91,28 @@ class GradSpike(PointFault):
             return []
         factor = self.cfg.factor
         return [p.register_hook(lambda g: g * factor) for p in grad_targets(model).values()]
+
+
+@dataclass
+class LossSpikeFaultConfig(FaultConfig):
+    factor: float = 5.0
+    """The step's loss is reported this many times higher."""
+
+    def check(self) -> None:
+        check_positive("fault.factor", self.factor)
+
+
+@register_fault
+class LossSpike(PointFault):
+    """The step's loss is reported ``fault.factor`` times higher while its gradients stay the
+    step's own (``loss + (factor - 1) * loss.detach()``): a spike in the loss alone, which the
+    ``loss_spike`` monitor sees and the weights never do (the spike counterfactual's case of
+    no damage, ``stabilize-replay --spike``)."""
+
+    kind = "loss_spike"
+    config = LossSpikeFaultConfig
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if not self.fires(step):
+            return loss
+        return loss + (self.cfg.factor - 1.0) * loss.detach()

@@ -4,6 +4,7 @@
     stabilize-replay --bisect runs/x/bundles/step-000004-overflow    # the norms to switch
     stabilize-replay --data runs/x/bundles/step-000006-nonfinite     # the sequences to skip
     stabilize-replay --gap runs/bf16 --reference runs/fp32-s0 runs/fp32-s1 runs/fp32-s2
+    stabilize-replay --spike runs/x --reference runs/ref-s0 runs/ref-s1 runs/ref-s2
 
 ``core.py`` checks the bundle and replays the step (optionally with norms switched to fp32,
 or with a subset of its sequences); ``bisect.py`` halves over either. Exit 0: it reproduces
@@ -36,8 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     how.add_argument("--tail", type=int, default=None, metavar="STEP", help="BUNDLE is a run "
                      "dir: fork it at STEP (a checkpoint of it, 0: its start), train the rest "
                      "at --reference's precision, say the share of the gap recovered")  # fmt: skip
-    p.add_argument("--reference", type=Path, nargs="+", help="--gap, --tail: the reference's "
-                   "run dirs")  # fmt: skip
+    how.add_argument("--spike", action="store_true", help="BUNDLE is a run dir: replay the "
+                     "steps after its spike as it happened and with each remedy (skip, clip); the "
+                     "damage left and the steps to recover")  # fmt: skip
+    p.add_argument("--reference", type=Path, nargs="+", help="--gap, --tail, --spike: the "
+                   "reference's run dirs (--spike: optional, for seed noise)")  # fmt: skip
+    p.add_argument("--at", type=int, default=None, help="--spike: the spike's model step "
+                   "(default: the run's first spike event, or its planted grad_spike)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=50, help="--spike: steps replayed after the "
+                   "spike (default 50, or to the end)")  # fmt: skip
     p.add_argument("--window", type=int, default=None, help="--gap: steps replayed (default "
                    "50, or to the end)")  # fmt: skip
     p.add_argument("--share", type=float, default=0.8, help="--gap: the share of the window's "
@@ -48,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.gap or args.tail is not None:
         return _gap(p, args)
+    if args.spike:
+        return _spike(args)
     try:
         if args.bisect or args.data:
             return (data_main if args.data else precision_main)(args.bundle)
@@ -87,6 +97,28 @@ def _gap(p: argparse.ArgumentParser, args) -> int:
     except ValueError as e:
         print(f"stabilize-replay: {e}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+def _spike(args) -> int:
+    from stabilize.replay.spike import spike_main
+
+    bad = None
+    if args.steps < 1:
+        bad = f"--steps={args.steps} is not allowed; must be a positive integer"
+    elif args.at is not None and args.at < 1:
+        bad = f"--at={args.at} is not allowed; must be a model step >= 1"
+    else:
+        for d in [args.bundle, *(args.reference or [])]:
+            if not (d / "config.json").is_file():
+                bad = f"{d}: not a run dir (no config.json)"
+                break
+    if bad is None:
+        try:
+            return spike_main(args.bundle, list(args.reference or []), args.at, args.steps)
+        except ValueError as e:
+            bad = str(e)
+    print(f"stabilize-replay: {bad}", file=sys.stderr)
+    return EXIT_CONFIG
 
 
 if __name__ == "__main__":

@@ -1,0 +1,182 @@
+"""``stabilize-replay --spike RUN``: the damage of a loss spike the run survived, measured by
+a counterfactual (issue 38; docs/design-spikes.md section 4).
+
+From the run's last step checkpoint before the spike (its initial state when there is
+none), the window up to N steps after it is replayed in this process (gap_bisect.Window,
+the run's own config and LR schedule) once as it happened and once per remedy:
+
+- ``skip``: the spike's step as if its planted fault had not fired (a planted fault only:
+  ``fault.enabled=false`` for the window);
+- ``clip``: the gradients clipped at a norm of 1 (``optim.grad_clip=1``).
+
+Not yet: a rollback with a lower LR. The LR a replay resumes with is the checkpoint's
+(its optimizer's and scheduler's state, and the remedies' LR scale in the harness's
+state), which a config edit does not reach.
+
+Each branch is scored on the held-out batches (``final_eval.json``'s ``batch_loss``); the
+damage is the as-happened branch's held-out loss minus the remedy's, paired by batch, with
+its standard error, and in units of seed noise when reference seeds are given (the judge's
+``s sqrt(1 + 1/n)``, report/gap.py): **lasting damage** outside the judge's band (t(0.975,
+n-1) of those units), else none. The recovery: the first step after the spike from which
+the as-happened branch's training loss stays within the reference's per-step band of the
+remedy's (each smoothed over 5 steps), judged at the steps every reference logged and
+counted from the step after the spike: "back after K steps" (0: never outside the band
+where judged), or "not back within N".
+The remedy with the least damage left, then the fastest recovery, is named.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from stabilize.replay.gap_bisect import Window, _checkpoints, _keep, _paired, train_losses
+from stabilize.report.gap import T975
+
+SMOOTH = 5  # steps the per-step losses are averaged over for the recovery
+
+
+def _skip(values: dict) -> None:
+    values["fault"]["enabled"] = False
+
+
+def _clip(values: dict) -> None:
+    values["optim"]["grad_clip"] = 1.0
+
+
+REMEDIES = {
+    "skip": ("the spike's step without its planted fault", _skip),
+    "clip": ("gradients clipped at norm 1", _clip),
+}
+
+
+def spike_step(run_dir: Path) -> int:
+    """The first loss or grad-norm spike of the run (events.jsonl), else the step of its
+    planted grad_spike fault; ValueError when there is neither."""
+    events = run_dir / "events.jsonl"
+    if events.exists():
+        for line in events.read_text().splitlines():
+            e = json.loads(line)
+            if e.get("monitor") in ("loss_spike", "grad_spike"):
+                return int(e["step"])
+    fault = json.loads((run_dir / "config.json").read_text()).get("fault", {})
+    if fault.get("enabled") and fault.get("kind") == "grad_spike":
+        return int(fault["step"])
+    raise ValueError(f"{run_dir}: no spike to measure (no loss_spike or grad_spike event, no "
+                     "planted grad_spike fault); give its step with --at")  # fmt: skip
+
+
+def _smooth(curve: dict[int, float], steps: list[int]) -> list[float]:
+    out = []
+    for i in range(len(steps)):
+        win = [curve[s] for s in steps[max(0, i - SMOOTH + 1) : i + 1] if s in curve]
+        out.append(statistics.fmean(win) if win else math.nan)
+    return out
+
+
+def _band(refs: list[Path], steps: list[int]) -> dict[int, float] | None:
+    """{step: the half-width of the reference's band for one more seed there}, at the steps
+    of ``steps`` every reference logged (each seed's loss averaged over its last SMOOTH
+    logged points there); None with fewer than 3 seeds."""
+    curves = [train_losses(r) for r in refs]
+    if len(curves) < 3:
+        return None
+    common = [s for s in steps if all(s in c for c in curves)]
+    out = {}
+    for i, s in enumerate(common):
+        win = common[max(0, i - SMOOTH + 1) : i + 1]
+        means = [statistics.fmean(c[t] for t in win) for c in curves]
+        n = len(means)
+        out[s] = T975.get(n - 1, 1.96) * statistics.stdev(means) * math.sqrt(1 + 1 / n)
+    return out
+
+
+def counterfactual(
+    run_dir: Path, refs: list[Path], at: int | None = None, steps: int = 50,
+    remedies: tuple[str, ...] = tuple(REMEDIES),
+) -> dict[str, Any]:  # fmt: skip
+    """The branches' held-out damage and recovery (see the module doc), as a dict."""
+    saved = json.loads((run_dir / "config.json").read_text())
+    spike = spike_step(run_dir) if at is None else at
+    end = min(spike + steps, int(saved["trainer"]["max_steps"]))
+    start = max((s for s in _checkpoints(run_dir) if s < spike), default=0)
+    planted = saved.get("fault", {}).get("enabled") and saved["fault"].get("kind") != "none"
+    todo = [r for r in remedies if r != "skip" or planted]
+    out: dict[str, Any] = {"spike": spike, "start": start, "end": end, "branches": {},
+                           "tokens_per_step": int(saved["data"]["batch_size"])
+                           * int(saved["model"]["block_size"])
+                           * int(saved["optim"]["accumulate_grad_batches"])}  # fmt: skip
+    ref_scores = [json.loads((r / "final_eval.json").read_text())["loss"] for r in refs]
+    noise = (statistics.stdev(ref_scores) * math.sqrt(1 + 1 / len(ref_scores))
+             if len(ref_scores) >= 3 else None)  # fmt: skip
+    out["noise"] = noise
+    window = list(range(spike + 1, end + 1))  # after the spike's own step
+    band = _band(refs, window)
+    with tempfile.TemporaryDirectory() as tmp:
+        win = Window(run_dir, start, end - start, Path(tmp))
+        happened = win.score(frozenset(), what="as it happened")
+        a_curve = _smooth(win.curve, window)
+        for name in todo:
+            words, edit = REMEDIES[name]
+            b = win.score(frozenset(), edit=edit, what=f"with {words}")
+            gap, se = _paired(happened, b)
+            b_curve = _smooth(win.curve, window)
+            back = None
+            if band:
+                at = [window.index(s) for s in band]
+                inside = [abs(a_curve[i] - b_curve[i]) <= band[window[i]] for i in at]
+                out_at = [k for k, ok in enumerate(inside) if not ok]
+                if not out_at:
+                    back = 0  # never outside the band at a step it is judged at
+                elif out_at[-1] + 1 < len(at):  # back at the next judged step, for good
+                    back = window[at[out_at[-1] + 1]] - window[0]
+            sigma = gap / noise if noise else None
+            # worse than the remedy by more than the judge's band (or, with no seed noise,
+            # by more than two standard errors of the paired batches)
+            lasting = gap > 0 and (sigma > T975.get(len(ref_scores) - 1, 1.96)
+                                   if sigma is not None else gap > 2 * se)  # fmt: skip
+            out["branches"][name] = {"words": words, "gap": gap, "gap_se": se, "sigma": sigma,
+                                     "lasting": lasting, "back_after": back}  # fmt: skip
+    out["replays"] = 1 + len(todo)
+    return out
+
+
+def fastest(found: dict[str, Any]) -> str | None:
+    """The remedy that left the least damage, then recovered soonest."""
+    b = found["branches"]
+    if not b:
+        return None
+    return min(b, key=lambda k: (-b[k]["gap"], b[k]["back_after"] if b[k]["back_after"]
+                                 is not None else math.inf))  # fmt: skip
+
+
+def spike_main(run_dir: Path, refs: list[Path], at: int | None, steps: int) -> int:
+    found = counterfactual(run_dir, refs, at, steps)
+    _keep(run_dir, "spike.json", found)
+    s, e, tokens = found["spike"], found["end"], found["tokens_per_step"]
+    print(f"spike counterfactual: the spike at step {s}; steps {found['start']}-{e} replayed "
+          f"{found['replays']} times from the run's last checkpoint before it; held out at "
+          f"step {e}, {e - s} steps after the spike")  # fmt: skip
+    for name, b in found["branches"].items():
+        dmg = f"{b['gap']:+.4f} +- {b['gap_se']:.4f} nats"
+        if b["sigma"] is not None:
+            dmg += f", {b['sigma']:+.1f} sigma of seed noise"
+        said = "lasting damage" if b["lasting"] else "no lasting damage"
+        if b["back_after"] is not None:
+            rec = (f"its training loss back within the reference's per-step band of the "
+                   f"remedy's {b['back_after']} steps ({b['back_after'] * tokens:,} tokens) "
+                   "after the spike")  # fmt: skip
+        elif found["noise"] is None:
+            rec = "recovery not judged (it needs 3 reference seeds)"
+        else:
+            rec = f"its training loss not back within the reference's band in {e - s} steps"
+        print(f"  {name} ({b['words']}): as it happened minus it: {dmg}: {said}; {rec}")
+    best = fastest(found)
+    if best is not None:
+        print(f"best remedy: {best} ({found['branches'][best]['words']}): the least damage left, "
+              "then the soonest back")  # fmt: skip
+    return 0
