@@ -242,7 +242,7 @@ def gap_main(run_dir: Path, refs: list[Path], window: int | None, share: float) 
               "against the reference's seed noise)")  # fmt: skip
         return 1
     b["override"] = override(b["culprits"]) if b["culprits"] else None
-    _keep(run_dir, "bisection.json", {**b, "reference": _names(refs)})
+    _keep(run_dir, "bisection.json", {**b, "references": _names(refs)})
     print(bisection_words(b))
     if not b["culprits"]:
         return 1
@@ -304,6 +304,6 @@ def tail(run_dir: Path, refs: list[Path], start: int) -> dict[str, Any]:
 
 def tail_main(run_dir: Path, refs: list[Path], start: int) -> int:
     t = tail(run_dir, refs, start)
-    _keep(run_dir, "tail.json", {**t, "reference": _names(refs)})
+    _keep(run_dir, "tail.json", {**t, "references": _names(refs)})
     print(tail_words(t))
     return 1 if t["share"] is None else 0

@@ -56,7 +56,7 @@ def found_before(run: Path, refs: list[Path]) -> dict:
             found = json.loads((run / "gap" / f"{key}.json").read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(found, dict) and found.get("reference") == names:
+        if isinstance(found, dict) and found.get("references") == names:
             out[key] = found
     return out
 
