@@ -51,6 +51,10 @@ def test_a_gradient_spike_leaves_lasting_damage_and_a_loss_only_spike_none(tmp_p
     line = next(x for x in out.splitlines() if x.startswith("  skip ("))
     assert f"{skip['gap']:+.4f}" in line and ": lasting damage;" in line
     assert found["branches"]["clip"]["gap"] > 0  # clipping would have saved most of it too
+    # the lower_lr rung took effect: a rollback past the spike at half the LR trains slower
+    # than the same rollback at the schedule's LR (skip), and still beats the spike
+    lower = found["branches"]["lower_lr"]
+    assert 0 < lower["gap"] < skip["gap"]
     assert out.splitlines()[-1].startswith("best remedy: skip")
 
     out = _sh(doc_command("spike-cf-loss"), tmp_path)

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
                      "dir: fork it at STEP (a checkpoint of it, 0: its start), train the rest "
                      "at --reference's precision, say the share of the gap recovered")  # fmt: skip
     how.add_argument("--spike", action="store_true", help="BUNDLE is a run dir: replay the "
-                     "steps after its spike as it happened and with each remedy (skip, clip); the "
-                     "damage left and the steps to recover")  # fmt: skip
+                     "steps after its spike as it happened and with each remedy (skip, clip, "
+                     "lower_lr); the damage left and the steps to recover")  # fmt: skip
     p.add_argument("--reference", type=Path, nargs="+", help="--gap, --tail, --spike: the "
                    "reference's run dirs (--spike: optional, for seed noise)")  # fmt: skip
     p.add_argument("--at", type=int, default=None, help="--spike: the spike's model step "

@@ -107,11 +107,12 @@ class Window:
         self.curve: dict[int, float] = {}  # the last replay's training loss per model step
 
     def score(self, fp32: frozenset[str], precision: dict | None = None, edit=None,
-              what: str = "") -> list[float]:  # fmt: skip
+              what: str = "", callbacks=()) -> list[float]:  # fmt: skip
         """The held-out batch losses after the window, ``fp32`` switched (``precision``:
         another ``precision`` section for the window, the tail's; ``edit``: called with the
         replay's config values to change them, ``what`` says how in its line). The
-        training loss of every step of the window is kept in ``self.curve``."""
+        training loss of every step of the window is kept in ``self.curve``; ``callbacks``:
+        Lightning callbacks for the replay's run."""
         from stabilize.lit.runner import run
         from stabilize.run.config import RunConfig
 
@@ -145,7 +146,7 @@ class Window:
         try:
             with open(log, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
                 chatter.setLevel(logging.WARNING)
-                run(RunConfig.from_saved(values))
+                run(RunConfig.from_saved(values), callbacks)
         except BaseException:  # what the replay printed, before its traceback
             print("".join(log.read_text().splitlines(True)[-20:]), file=sys.stderr)
             raise

@@ -7,11 +7,12 @@ the run's own config and LR schedule) once as it happened and once per remedy:
 
 - ``skip``: the spike's step as if its planted fault had not fired (a planted fault only:
   ``fault.enabled=false`` for the window);
-- ``clip``: the gradients clipped at a norm of 1 (``optim.grad_clip=1``).
-
-Not yet: a rollback with a lower LR. The LR a replay resumes with is the checkpoint's
-(its optimizer's and scheduler's state, and the remedies' LR scale in the harness's
-state), which a config edit does not reach.
+- ``clip``: the gradients clipped at a norm of 1 (``optim.grad_clip=1``);
+- ``lower_lr``: the ladder's ``lower_lr`` rung after a rollback to the checkpoint: the LR
+  scale multiplied by ``rollback.remedy.lower_lr.factor`` from there, warming back to the
+  schedule after its ``recover_after`` steps, and the planted fault (transient: a rolled
+  back spike does not recur) off. The LR lives in the checkpoint's state, not in the
+  config, so the replay sets the remedy's state on its module at the start.
 
 Each branch is scored on the held-out batches (``final_eval.json``'s ``batch_loss``); the
 damage is the as-happened branch's held-out loss minus the remedy's, paired by batch, with
@@ -34,6 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+
 from stabilize.replay.gap_bisect import Window, _checkpoints, _keep, _paired, train_losses
 from stabilize.report.gap import T975
 
@@ -48,9 +51,23 @@ def _clip(values: dict) -> None:
     values["optim"]["grad_clip"] = 1.0
 
 
+class _LowerLR(L.Callback):
+    """The lower_lr rung, as a rollback to the replay's start would apply it."""
+
+    def on_train_start(self, trainer, pl_module):
+        from stabilize.rollback.remedies import LowerLR, LowerLRConfig
+
+        st = pl_module.train_state
+        cfg = pl_module.cfg.rollback.remedy.get("lower_lr") or LowerLRConfig()
+        LowerLR().apply(st, cfg)
+        st.lr_since = st.model_step  # as the controller stamps a rollback
+
+
+# name -> (its words, an edit of the replay's config, its callbacks, planted faults only)
 REMEDIES = {
-    "skip": ("the spike's step without its planted fault", _skip),
-    "clip": ("gradients clipped at norm 1", _clip),
+    "skip": ("the spike's step without its planted fault", _skip, (), True),
+    "clip": ("gradients clipped at norm 1", _clip, (), False),
+    "lower_lr": ("a rollback with the LR lowered, the lower_lr rung", _skip, (_LowerLR,), True),
 }
 
 
@@ -105,7 +122,7 @@ def counterfactual(
     end = min(spike + steps, int(saved["trainer"]["max_steps"]))
     start = max((s for s in _checkpoints(run_dir) if s < spike), default=0)
     planted = saved.get("fault", {}).get("enabled") and saved["fault"].get("kind") != "none"
-    todo = [r for r in remedies if r != "skip" or planted]
+    todo = [r for r in remedies if planted or not REMEDIES[r][3]]
     out: dict[str, Any] = {"spike": spike, "start": start, "end": end, "branches": {},
                            "tokens_per_step": int(saved["data"]["batch_size"])
                            * int(saved["model"]["block_size"])
@@ -121,8 +138,9 @@ def counterfactual(
         happened = win.score(frozenset(), what="as it happened")
         a_curve = _smooth(win.curve, window)
         for name in todo:
-            words, edit = REMEDIES[name]
-            b = win.score(frozenset(), edit=edit, what=f"with {words}")
+            words, edit, callbacks, _ = REMEDIES[name]
+            b = win.score(frozenset(), edit=edit, what=f"with {words}",
+                          callbacks=[c() for c in callbacks])  # fmt: skip
             gap, se = _paired(happened, b)
             b_curve = _smooth(win.curve, window)
             back = None
