@@ -135,6 +135,7 @@ def counterfactual(
     band = _band(refs, window)
     with tempfile.TemporaryDirectory() as tmp:
         win = Window(run_dir, start, end - start, Path(tmp))
+        out["tokens_per_step"] *= win.world  # data.batch_size is each rank's
         happened = win.score(frozenset(), what="as it happened")
         a_curve = _smooth(win.curve, window)
         for name in todo:
@@ -145,13 +146,13 @@ def counterfactual(
             b_curve = _smooth(win.curve, window)
             back = None
             if band:
-                at = [window.index(s) for s in band]
-                inside = [abs(a_curve[i] - b_curve[i]) <= band[window[i]] for i in at]
+                judged = [window.index(s) for s in band]
+                inside = [abs(a_curve[i] - b_curve[i]) <= band[window[i]] for i in judged]
                 out_at = [k for k, ok in enumerate(inside) if not ok]
                 if not out_at:
                     back = 0  # never outside the band at a step it is judged at
-                elif out_at[-1] + 1 < len(at):  # back at the next judged step, for good
-                    back = window[at[out_at[-1] + 1]] - window[0]
+                elif out_at[-1] + 1 < len(judged):  # back at the next judged step, for good
+                    back = window[judged[out_at[-1] + 1]] - window[0]
             sigma = gap / noise if noise else None
             # worse than the remedy by more than the judge's band (or, with no seed noise,
             # by more than two standard errors of the paired batches)
