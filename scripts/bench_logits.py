@@ -31,12 +31,11 @@ import tempfile
 from pathlib import Path
 
 from stabilize.bench.lib import CONFIGS, StepClock, compose_cfg, prepare, run_overrides, train_with
-from stabilize.bench.monitor_toggle import Toggle, toggled
+from stabilize.bench.monitor_toggle import Toggle, toggle_args, toggled, toggled_rows
 from stabilize.bench.stats import (
     BLOCK,
     load_average,
     print_table,
-    span,
 )
 from stabilize.lit.stability import StabilityCallback
 
@@ -95,12 +94,7 @@ def bench(name: str, args, tmp: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny only, 160 steps")
-    ap.add_argument("--steps", type=int, default=400, help="toggled steps (whole quads of blocks)")
-    ap.add_argument("--warmup", type=int, default=10, help="untoggled steps first")
-    ap.add_argument("--configs", default="tiny,small", help=f"of {sorted(CONFIGS)}")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
-    ap.add_argument("--precision", default="fp32", help="a configs/precision name")
+    toggle_args(ap, CONFIGS)
     ap.add_argument("--logger", default="none", choices=["wandb", "none"])
     args = ap.parse_args()
     names = prepare(ap, args, CONFIGS)
@@ -112,21 +106,7 @@ def main() -> None:
         f"\nthe logit monitors + per-block statistics, toggled ABBA every {BLOCK} steps "
         f"in one run ({args.precision}, load average {args.load:.1f}, then {load_average():.1f})"
     )
-    rows = []
-    for r in results:
-        for key, clock in (("t", "wall"), ("cpu", "CPU")):
-            q = r[key]
-            rows.append(
-                [
-                    r["name"],
-                    clock,
-                    f"{r[f'{key}_off_ms']:.2f}",
-                    f"{r[f'{key}_on_ms']:.2f}",
-                    f"{100 * statistics.median(q):+.1f}%",
-                    span([100 * x for x in q], "{:+.1f}%") if len(q) > 1 else "-",
-                    r["quads"],
-                ]
-            )
+    rows = toggled_rows(results)
     head = ["config", "clock", "off ms/step", "on ms/step", "overhead", "quads' range", "quads"]
     print_table(head, rows)
     print("target: overhead <= 3% (the median over quads)")

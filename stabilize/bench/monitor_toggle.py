@@ -120,3 +120,33 @@ def toggled(clock: Toggle, warmup: int, n_blocks: int) -> dict:
             )
         out[key] = quad_overheads(means)
     return out
+
+
+def toggle_args(ap, configs) -> None:
+    """The toggle benchmarks' common options (scripts/bench_logits.py, bench_curvature.py)."""
+    ap.add_argument("--quick", action="store_true", help="tiny only, 160 steps")
+    ap.add_argument("--steps", type=int, default=400, help="toggled steps (whole quads of blocks)")
+    ap.add_argument("--warmup", type=int, default=10, help="untoggled steps first")
+    ap.add_argument("--configs", default="tiny,small", help=f"of {sorted(configs)}")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    ap.add_argument("--precision", default="fp32", help="a configs/precision name")
+
+
+def toggled_rows(results: list[dict], extra=lambda q: []) -> list[list]:
+    """Per config and clock: config, clock, off and on ms/step, the median quad's overhead,
+    the quads' range, ``extra(quads)``'s cells, the number of quads."""
+    import statistics
+
+    from stabilize.bench.stats import span
+
+    rows = []
+    for r in results:
+        for key, clock in (("t", "wall"), ("cpu", "CPU")):
+            q = r[key]
+            rows.append([
+                r["name"], clock, f"{r[f'{key}_off_ms']:.2f}", f"{r[f'{key}_on_ms']:.2f}",
+                f"{100 * statistics.median(q):+.1f}%",
+                span([100 * x for x in q], "{:+.1f}%") if len(q) > 1 else "-",
+                *extra(q), r["quads"],
+            ])  # fmt: skip
+    return rows
