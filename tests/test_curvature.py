@@ -7,6 +7,7 @@ per curvature step without changing the run."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import lightning as L
@@ -252,3 +253,29 @@ def test_on_a_hugging_face_gpt2_the_series_reach_wandb_and_csv(tmp_path):
     assert sorted(in_csv) == [1, 3]  # the 2nd and 4th steps: one log step in 2
     assert in_wandb == pytest.approx([in_csv[1], in_csv[3]])
     assert any("g2_v/transformer.h.0" in r for r in history) and any("opt/g2_v" in r for r in rows)
+
+
+@pytest.mark.slow  # two torchrun launches; the one-process run test above is its sibling
+def test_on_two_ranks_the_curvature_is_measured_and_the_run_unchanged(tmp_path):
+    """2 torchrun ranks (DDP, gloo), the curvature on every log step: every rank takes the
+    pass together (its gradients all-reduced), the series is logged, and the losses are
+    those of the same launch with it off, bit for bit."""
+    from conftest import launch_sh
+
+    args = [*[a for a in FAST if not a.startswith("trainer.progress")], "trainer.max_steps=6",
+            "trainer.log_every_n_steps=2", "trainer.accelerator=cpu", "precision=fp32",
+            "model.dropout=0.1"]  # fmt: skip
+    rows = {}
+    for tag, extra in (
+        ("on", "monitor.curvature.every=1"),
+        ("off", "monitor.curvature.enabled=false"),
+    ):
+        r = launch_sh(tmp_path / tag, *args, extra, cwd=tmp_path, nproc=2)
+        assert r.returncode == 0, r.stderr[-3000:]
+        rows[tag] = read_csv_metrics(tmp_path / tag)
+    losses = {t: [r["train/loss"] for r in rs if "train/loss" in r] for t, rs in rows.items()}
+    assert len(losses["on"]) == 3 and losses["on"] == losses["off"]  # the log steps'
+    held = [json.loads((tmp_path / t / "final_eval.json").read_text())["loss"] for t in rows]
+    assert held[0] == held[1]  # the weights at the end, as the held-out score sees them
+    curv = [r for r in rows["on"] if "opt/curv_pre" in r]
+    assert len(curv) == 3 and all(math.isfinite(r["opt/curv_u"]) for r in curv)
