@@ -3,8 +3,7 @@ two real processes on gloo, a real DDP with the hook, against the sum computed b
 
 from __future__ import annotations
 
-import os
-import socket
+from datetime import timedelta
 
 import pytest
 import torch
@@ -14,19 +13,15 @@ import torch.multiprocessing as mp
 from stabilize.lit.grad_reduce import ddp_hook, fsdp_policy
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _inputs(rank: int) -> torch.Tensor:
     return torch.randn(16, 8, generator=torch.Generator().manual_seed(100 + rank))
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _worker(rank: int, store: str, out: str) -> None:
+    # a file store, not a TCP port: no other test's process group can answer on it, and a
+    # rank that never comes fails the test in a minute instead of hanging it
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))  # fmt: skip
     try:
         got = {}
         for name in ("grad", "bf16"):
@@ -40,6 +35,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             got[name] = net.weight.grad
         if rank == 0:
             torch.save(got, out)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -47,7 +43,8 @@ def _worker(rank: int, port: int, out: str) -> None:
 def _reduced(tmp_path) -> dict[str, torch.Tensor]:
     """Rank 0's gradient after DDP's own all-reduce and after the bf16 one."""
     out = str(tmp_path / "grads.pt")
-    mp.start_processes(_worker, args=(_free_port(), out), nprocs=2, start_method="spawn")
+    store = str(tmp_path / "store")
+    mp.start_processes(_worker, args=(store, out), nprocs=2, start_method="spawn")
     return torch.load(out)
 
 

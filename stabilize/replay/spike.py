@@ -133,6 +133,7 @@ def counterfactual(
     out["noise"] = noise
     window = list(range(spike + 1, end + 1))  # after the spike's own step
     band = _band(refs, window)
+    out["judged_steps"] = len(band) if band else 0
     with tempfile.TemporaryDirectory() as tmp:
         win = Window(run_dir, start, end - start, Path(tmp))
         out["tokens_per_step"] *= win.world  # data.batch_size is each rank's
@@ -188,7 +189,8 @@ def spike_main(run_dir: Path, refs: list[Path], at: int | None, steps: int) -> i
         if b["back_after"] is not None:
             rec = (f"its training loss back within the reference's per-step band of the "
                    f"remedy's {b['back_after']} steps ({b['back_after'] * tokens:,} tokens) "
-                   "after the spike")  # fmt: skip
+                   f"after the spike (judged at the {found['judged_steps']} steps every "
+                   "reference logged)")  # fmt: skip
         elif found["noise"] is None:
             rec = "recovery not judged (it needs 3 reference seeds)"
         else:
