@@ -5,15 +5,32 @@ and the update/weight ratio; on one log step in ``every`` also the curvature alo
 update and its preconditioned form (stability/curvature.py: two extra forward and backward
 passes of the step's batches, in fp32), logged as ``opt/curv_u`` and ``opt/curv_pre`` beside their
 stability lines ``opt/edge_gd`` (2 / lr) and ``opt/edge_adam`` ((2 + 2 beta1) / ((1 -
-beta1) lr)). This monitor emits no event yet: the forecast on these series is scored
-before it is trusted (issue 38)."""
+beta1) lr)).
+
+The spike forecast (``forecast=true``; off by default): each quotient against its line is a
+unit of the activation forecast's trend forecaster (monitors/forecast.py, its default
+settings: log(value / line), a robust slope, a noise floor learned from the series, the
+pessimistic path), fed one point per curvature step; a quotient projected to reach its
+line within ``horizon`` steps is warned once, and again once that warning's horizon has
+passed. A quotient at or below 0 (the loss curves down along the update) is not a point:
+there is no log of it. Off by default because its measured precision is what
+docs/forecast.md's spike table says (scripts/eval_spikes.py): at the tiny model's scale no
+recipe made a natural loss spike, and crossings of the lines are routine at high LRs."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from stabilize.monitors.events import Event, StepStats
-from stabilize.validate import check_count, check_range
+from stabilize.monitors.events import WARN, Event, StepStats
+from stabilize.monitors.forecast import LineForecaster
+from stabilize.validate import check_count, check_positive, check_range
+
+# (quotient, its line, the unit's name, the line's name)
+UNITS = (
+    ("curv_pre", "edge_adam", "preconditioned", "Adam's line (2 + 2 beta1) / ((1 - beta1) lr)"),
+    ("curv_u", "edge_gd", "plain", "gradient descent's line 2 / lr"),
+)
 
 
 @dataclass
@@ -26,10 +43,24 @@ class CurvatureConfig:
     """On one log step in this many (0: never): two extra forward and backward passes then."""
     rel: float = 1e-4
     """The difference quotient's step, ||h u|| / ||theta||."""
+    forecast: bool = False
+    """Warn when a quotient is projected to reach its stability line within ``horizon``
+    steps (module docstring; off: its measured precision, docs/forecast.md)."""
+    horizon: int = 40
+    """The forecast's horizon, in steps."""
 
     def __post_init__(self):
         check_count("monitor.curvature.every", self.every)
         check_range("monitor.curvature.rel", self.rel, 1e-6, 1e-1)
+        check_positive("monitor.curvature.horizon", self.horizon, integer=True)
+
+
+def _forecaster() -> LineForecaster:
+    """The activation forecast's trend forecaster with its default settings (none of them
+    chosen on curvature series: the spike table scores them as they are)."""
+    from stabilize.monitors.activations import ActivationConfig
+
+    return LineForecaster(ActivationConfig())
 
 
 class CurvatureMonitor:
@@ -38,13 +69,70 @@ class CurvatureMonitor:
 
     @classmethod
     def from_config(cls, name: str, c: CurvatureConfig) -> CurvatureMonitor:
-        return cls()
+        return cls(c)
+
+    def __init__(self, c: CurvatureConfig | None = None):
+        self.c = c or CurvatureConfig()
+        self.horizon = self.c.horizon
+        self.forecaster = _forecaster()
+        self.last_point: int | None = None  # the step of the last curvature point
+        self.spacing = 1  # steps between curvature points, as last seen
+        self.warned: dict[str, int] = {}  # unit -> the step it was warned at
 
     def update(self, stats: StepStats) -> list[Event]:
-        return []
+        if not self.c.forecast or "curv_pre" not in stats.opt:
+            return []
+        step, opt = stats.step, stats.opt
+        if self.last_point is not None and step > self.last_point:
+            self.spacing = step - self.last_point
+        self.last_point = step
+        # the forecaster counts points: its horizon is the steps' at the points' spacing
+        self.forecaster.horizon = max(1, self.horizon // self.spacing)
+        values = {
+            (unit, "line"): (opt[q], opt[line])
+            for q, line, unit, _ in UNITS
+            if q in opt and line in opt and math.isfinite(opt[line]) and opt[line] > 0
+        }
+        events = []
+        for (unit, _), p in self.forecaster.update(values).items():
+            value, line = values[(unit, "line")]
+            if not value < line or p.level >= 0 or not p.significant:
+                continue  # past its line (that is a measurement, not a forecast), or no rise
+            warned = self.warned.get(unit)
+            if warned is not None and step - warned < self.horizon:
+                continue
+            self.warned[unit] = step
+            events.append(self._event(step, unit, value, line, p))
+        return events
+
+    def _event(self, step: int, unit: str, value: float, line: float, p) -> Event:
+        what = next(w for _, _, u, w in UNITS if u == unit)
+        left = p.left * self.spacing
+        return Event(
+            WARN,
+            "curvature",
+            step,
+            f"{unit} curvature along the update {value:.4g} rising x{math.exp(p.slope):.3f} "
+            f"per point (every {self.spacing} steps): reaches {what} = {line:.4g} in "
+            f"~{left:.0f} steps at this rate (a loss spike forecast: docs/forecast.md has "
+            "its measured precision)",
+            layer=unit,
+            value=left,
+            threshold=float(self.horizon),
+            extra={"line": line, "within": p.within * self.spacing, "sigma": p.sigma},
+        )
 
     def state_dict(self) -> dict:
-        return {}
+        return {
+            "forecaster": self.forecaster.state_dict(),
+            "warned": dict(self.warned),
+            "last_point": self.last_point,
+            "spacing": self.spacing,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        if "forecaster" not in state:  # an older checkpoint: the forecast starts again
+            return
+        self.forecaster.load_state_dict(state["forecaster"])
+        self.warned = {k: int(v) for k, v in state["warned"].items()}
+        self.last_point, self.spacing = state["last_point"], int(state["spacing"])

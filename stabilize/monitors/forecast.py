@@ -212,8 +212,10 @@ class LineForecaster:
                     rates = self.rates[u] = deque(maxlen=self.noise_window)
                 rates.append(s)
                 phi = 1.0
-                if self.damped and 0 < new[k] < old[k]:
+                if self.damped and 0 < new[k] < old[k] * (1 - 1e-9):
                     # the rate fell from old to new over the halves' distance (n - m) steps
+                    # (rates equal but for rounding are steady: a phi of 1 - 1e-16 makes the
+                    # damped crossing's log(rest) / log(phi) noise)
                     phi = float((new[k] / old[k]) ** (1.0 / (n - m)))
                 out[u] = self._project(u, float(levels[k]), s, phi, y[k])
         return out

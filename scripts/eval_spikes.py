@@ -1,0 +1,121 @@
+"""Score the spike forecast (``monitor.curvature.forecast``) on a labelled set of real runs.
+
+    python scripts/eval_spikes.py [--save runs.json | --load runs.json ...] [--shard I/N]
+                                  [--horizon 40] [--doc docs/forecast.md]
+
+The set, the labels and the scoring: stabilize/bench/spike_eval.py. Each run is trained in
+this process with every step logged and the curvature measured on every step; its per-step
+``StepStats`` (the monitors' input) are recorded, and the monitor, forecast on, is fed them
+again at each cadence scored: the monitor is a function of them alone, so the replay gives
+the warnings the live run would have logged. ``--save`` keeps every finished run (an
+interrupted set resumes from it); ``--shard I/N`` records every N-th run from the I-th (two
+processes, one per core); ``--load`` (repeatable) scores recorded runs without training.
+``--doc`` writes the tables into the doc between its ``<!-- eval_spikes:begin/end -->``
+markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import lightning as L
+
+from stabilize.bench.docblock import commit, cpu, write_block
+from stabilize.bench.spike_eval import BASE, report, spike_set
+
+
+class Recorder(L.Callback):
+    """Each training step's StepStats, as the stability callback gathered them."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.stab = next(c for c in trainer.callbacks if type(c).__name__ == "StabilityCallback")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        s = self.stab.last
+        if s is not None and not (self.steps and self.steps[-1]["step"] == s.step):
+            self.steps.append(dataclasses.asdict(s))
+
+
+def record(group: str, name: str, overrides: list[str], root: Path) -> dict:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import stabilize.train  # noqa: F401  (the config's resolvers)
+    from stabilize.paths import config_dir
+    from stabilize.run.config import RunConfig
+    from stabilize.train import run
+
+    run_dir = root / name
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[f"run_dir={run_dir}", *BASE, *overrides])
+    rc = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    rec = Recorder()
+    run(rc, callbacks=(rec,))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if len(rec.steps) < rc.trainer.max_steps:  # Lightning ends a run on SIGTERM: not a result
+        raise SystemExit(f"{name}: stopped at step {len(rec.steps)}; not recorded")
+    fault = rc.fault.step if rc.fault.kind != "none" else None
+    return {"group": group, "name": name, "overrides": overrides, "fault_step": fault,
+            "steps": rec.steps}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--save", type=Path, help="write the recorded runs here (JSON; runs already "
+                   "in it are kept, not rerun)")  # fmt: skip
+    p.add_argument("--load", type=Path, action="append", default=[],
+                   help="score runs recorded by --save (repeatable); no training")  # fmt: skip
+    p.add_argument("--shard", default="0/1", metavar="I/N",
+                   help="record every N-th run of the set from the I-th")  # fmt: skip
+    p.add_argument("--horizon", type=int, default=40, help="the forecast's horizon (steps)")
+    p.add_argument("--doc", type=Path, help="also write the tables into this doc")
+    args = p.parse_args(argv)
+    i, _, n = args.shard.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        print(f"--shard {args.shard!r}: not I/N with 0 <= I < N", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    if args.load:
+        runs = [r for f in args.load for r in json.loads(f.read_text())]
+    else:
+        runs = json.loads(args.save.read_text()) if args.save and args.save.exists() else []
+        done = {r["name"] for r in runs}
+        plan = spike_set()[int(i) :: int(n)]
+        with tempfile.TemporaryDirectory(prefix="eval_spikes-") as tmp:
+            for k, (group, name, ov) in enumerate(plan):
+                if name in done:
+                    continue
+                print(f"[{k + 1}/{len(plan)}] {group} {name} ({time.time() - t0:.0f} s)",
+                      file=sys.stderr)  # fmt: skip
+                runs.append(record(group, name, ov, Path(tmp)))
+                if args.save:
+                    args.save.write_text(json.dumps(runs))
+    text = (f"spike forecast: monitor.curvature.forecast, horizon {args.horizon} steps; "
+            f"{len(runs)} runs\n\n" + report(runs, args.horizon))  # fmt: skip
+    print(text)
+    if args.doc:
+        cmd = "python scripts/eval_spikes.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]
+        )
+        body = (f"Measured by `{cmd.strip()}` at commit {commit()}, on {cpu()}. Written by the "
+                "script: do not edit by hand.\n\n" + text)  # fmt: skip
+        return write_block(args.doc, "eval_spikes", body, "eval_spikes.py")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""The spike forecast (monitor.curvature.forecast) and its scoring, against hand calculations
+(docs/forecast.md's spike table; stabilize/bench/spike_eval.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from stabilize.bench import spike_eval as S
+from stabilize.monitors.curvature import CurvatureConfig, CurvatureMonitor
+from stabilize.monitors.events import StepStats
+
+LR = 1e-2
+EDGE_ADAM, EDGE_GD = 38 / LR, 2 / LR
+
+
+def stats(step: int, ratio: float, loss: float = 3.0) -> StepStats:
+    """A step whose preconditioned quotient is ``ratio`` x Adam's line (the plain one far
+    below its own)."""
+    opt = {
+        "curv_pre": ratio * EDGE_ADAM,
+        "edge_adam": EDGE_ADAM,
+        "curv_u": 1e-3,
+        "edge_gd": EDGE_GD,
+    }
+    return StepStats(step=step, loss=loss, opt=opt)
+
+
+def rising(n: int, spacing: int = 1, start: float = 0.3, rate: float = 1.1):
+    return [stats(k * spacing, start * rate**k) for k in range(n)]
+
+
+def feed(mon: CurvatureMonitor, steps) -> list:
+    return [e for s in steps for e in mon.update(s)]
+
+
+def test_a_quotient_rising_toward_adams_line_is_warned_when_its_rise_covers_the_distance():
+    # 0.3 x the line, x1.1 a point: it crosses at point ln(1/0.3) / ln 1.1 = 12.6. The
+    # forecaster's climb rule (activation defaults, climb 1) warns once the rise since the
+    # lowest point covers the distance left: k ln 1.1 >= -ln 0.3 - k ln 1.1, k >= 6.3 -> 7
+    mon = CurvatureMonitor(CurvatureConfig(forecast=True, horizon=40))
+    events = feed(mon, rising(13))
+    assert [(e.step, e.layer, e.monitor, e.kind) for e in events] == [
+        (7, "preconditioned", "curvature", "warn")
+    ]
+    left = -math.log(0.3 * 1.1**7) / math.log(1.1)  # 5.63 steps, the central path
+    assert events[0].value == pytest.approx(left, rel=1e-6)
+    assert f"{EDGE_ADAM:.4g}" in events[0].message
+
+
+def test_points_ten_steps_apart_are_read_in_steps_and_the_horizon_counts_steps():
+    # the same series with a point every 10 steps: the horizon of 40 steps is 4 points. The
+    # pessimistic path (z 3, the noise floored at 0.01, the slope less 3 standard errors over
+    # 8 points) reaches the line in (3 sigma - level) / (ln 1.1 - 3 sigma sqrt(12 / 504))
+    # points: 4.15 at point 9, 3.10 at point 10 -> warned at step 100, 26.3 steps ahead
+    sigma, slope = 0.01, math.log(1.1) - 3 * 0.01 * math.sqrt(12 / 504)
+    within = [(3 * sigma - math.log(0.3 * 1.1**k)) / slope for k in (9, 10)]
+    assert within[0] > 4 >= within[1]
+    mon = CurvatureMonitor(CurvatureConfig(forecast=True, horizon=40))
+    events = feed(mon, rising(13, spacing=10))
+    assert [e.step for e in events] == [100]
+    assert events[0].value == pytest.approx(10 * -math.log(0.3 * 1.1**10) / math.log(1.1))
+
+
+def test_off_by_default_non_positive_quotients_are_not_points_and_the_state_round_trips():
+    assert feed(CurvatureMonitor(), rising(13)) == []  # forecast=false, the default
+    mon = CurvatureMonitor(CurvatureConfig(forecast=True))
+    assert feed(mon, [stats(k, -0.5) for k in range(20)]) == []
+    assert ("preconditioned", "line") not in mon.forecaster.hist  # no log of a curvature <= 0
+    a = CurvatureMonitor(CurvatureConfig(forecast=True))
+    b = CurvatureMonitor(CurvatureConfig(forecast=True))
+    series = rising(13)
+    feed(a, series[:5])
+    b.load_state_dict(a.state_dict())
+    assert [e.step for e in feed(b, series[5:])] == [7]
+
+
+def test_the_horizon_is_checked_in_one_line():
+    from stabilize.run.config import ConfigError
+
+    with pytest.raises((ValueError, ConfigError), match="monitor.curvature.horizon"):
+        CurvatureConfig(horizon=0)
+
+
+def noisy(n: int, level: float = 3.0) -> list[float]:
+    return [level + (0.01 if k % 2 else -0.01) for k in range(n)]
+
+
+def test_a_loss_spike_is_labelled_by_hand():
+    losses = noisy(80)
+    losses[50] = 3.6  # 1.2x the median; sigma from the differences: 1.4826 x 0 -> 1% floor
+    assert S.label_spikes(losses) == [50]
+    losses[55] = 3.6  # within GAP steps of the last labelled one: the same episode
+    assert S.label_spikes(losses) == [50]
+    losses[50] = losses[55] = 3.2  # 1.067x: below RATIO
+    assert S.label_spikes(losses) == []
+    losses[5] = 9.0  # before FIRST: not labelled
+    assert S.label_spikes(losses) == []
+    assert S.label_spikes([*noisy(30), 3.6], S.MONITOR_RATIO, S.MONITOR_Z) == []  # < 1.5x
+
+
+def run_dict(spike: int | None, warn_at: int, n: int = 60) -> dict:
+    """A recorded run whose quotient rises so that the monitor warns at ``warn_at`` and
+    whose loss spikes at ``spike``."""
+    losses = noisy(n)
+    if spike is not None:
+        losses[spike] = 4.0
+    steps = []
+    for k in range(n):
+        ratio = 0.3 * 1.1 ** (k - (warn_at - 7)) if k >= warn_at - 7 else -1.0  # no point
+        s = stats(k, ratio, losses[k])
+        steps.append({"step": s.step, "loss": s.loss, "opt": s.opt})
+    return {"name": "r", "group": "natural", "fault_step": None, "steps": steps}
+
+
+def test_scoring_counts_a_warning_5_to_40_steps_ahead_and_its_precision_by_hand():
+    # the quotient starts rising at step 3 and is warned at 10 (7 points later, as above)
+    r = run_dict(spike=20, warn_at=10)
+    s = S.score(r, cadence=1, horizon=40)
+    assert s.warned == [(10, "preconditioned")]
+    assert s.spikes == [20] and s.lead(20) == 10 and s.verdict(10) is True
+    late = S.score(run_dict(spike=13, warn_at=10), 1, 40)
+    assert late.spikes == [13] and late.lead(13) is None  # 3 steps ahead: not in recall
+    none = S.score(run_dict(spike=None, warn_at=10, n=100), 1, 40)
+    assert none.verdict(10) is False  # its horizon ended in the run with no spike
+    assert S.score(run_dict(spike=None, warn_at=10, n=45), 1, 40).verdict(10) is None
+    table = S.row("natural", 1, [s, none])
+    cells = [c.strip() for c in table.strip("|").split("|")]
+    # spikes 1, warned 1, recall 1.00, lead 10; warnings 2, 1 true, precision 0.50; the
+    # spike-free run: 1 warning in 100 steps = 10 per 1,000
+    assert cells[4:] == ["1", "0", "0", "1", "1.00", "10.0", "2", "1", "0", "0.50", "10.0"]
