@@ -49,6 +49,7 @@ from stabilize.bench.forecast_set import (
     holdout,
     holdout2,
     holdout3,
+    holdout4,
     tags,
     wide,
 )
@@ -61,7 +62,7 @@ from stabilize.monitors.forecast_score import (
 from stabilize.norms import Norm
 
 # the holdouts, each recorded before and scored after one change (stabilize/bench/forecast_set.py)
-HOLDOUTS = {"holdout": holdout, "holdout2": holdout2, "holdout3": holdout3}
+HOLDOUTS = {"holdout": holdout, "holdout2": holdout2, "holdout3": holdout3, "holdout4": holdout4}
 
 
 class Recorder(L.Callback):
@@ -160,6 +161,11 @@ def main(argv=None) -> int:
     p.add_argument("--holdout3", action="store_true", help="also the third holdout "
                    "(forecast_set.holdout3: recorded before, scored after, the expiring "
                    "warning)")  # fmt: skip
+    p.add_argument("--holdout4", action="store_true", help="also the fourth holdout "
+                   "(forecast_set.holdout4: recorded before, scored after, the rule for the "
+                   "sandwich placement's sublayer-output norms)")  # fmt: skip
+    p.add_argument("--holdouts-only", action="store_true", help="record (or score) only the "
+                   "holdouts asked for, not core + wide")  # fmt: skip
     p.add_argument("--load", type=Path, help="score runs recorded by --save; no training")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a monitor.activation setting for the forecast (repeatable)")  # fmt: skip
@@ -179,7 +185,8 @@ def main(argv=None) -> int:
         settings[key] = _parse(value, type(getattr(ActivationConfig(), key)))
     cfg = ActivationConfig(**settings)
     t0 = time.time()
-    plan = core(args.quick) + ([] if args.quick or args.core else wide())
+    plan = [] if args.holdouts_only else core(args.quick)
+    plan += [] if args.quick or args.core or args.holdouts_only else wide()
     held = {k: {name for _, name, _ in f()} for k, f in HOLDOUTS.items()}
     for k, f in HOLDOUTS.items():
         plan += f() if getattr(args, k) else []

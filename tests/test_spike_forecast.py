@@ -110,7 +110,7 @@ def run_dict(spike: int | None, warn_at: int, n: int = 60) -> dict:
     for k in range(n):
         ratio = 0.3 * 1.1 ** (k - (warn_at - 7)) if k >= warn_at - 7 else -1.0  # no point
         s = stats(k, ratio, losses[k])
-        steps.append({"step": s.step, "loss": s.loss, "opt": s.opt})
+        steps.append({"step": s.step, "loss": s.loss, "grad_norm": 1.0, "opt": s.opt})
     return {"name": "r", "group": "natural", "fault_step": None, "steps": steps}
 
 
@@ -130,3 +130,22 @@ def test_scoring_counts_a_warning_5_to_40_steps_ahead_and_its_precision_by_hand(
     # spikes 1, warned 1, recall 1.00, lead 10; warnings 2, 1 true, precision 0.50; the
     # spike-free run: 1 warning in 100 steps = 10 per 1,000
     assert cells[4:] == ["1", "0", "0", "1", "1.00", "10.0", "2", "1", "0", "0.50", "10.0"]
+
+
+def test_the_script_scores_recorded_runs_and_writes_its_block(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    runs = [run_dict(spike=20, warn_at=10), {**run_dict(None, 10, n=100), "name": "calm"}]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    doc = tmp_path / "doc.md"
+    doc.write_text("x\n<!-- eval_spikes:begin -->\nSTALE-BLOCK\n<!-- eval_spikes:end -->\n")
+    cmd = [sys.executable, "scripts/eval_spikes.py", "--load", str(tmp_path / "runs.json")]
+    out = subprocess.run([*cmd, "--doc", str(doc)], capture_output=True, text=True, check=True)
+    assert "| natural | every step | 2 | 160 | 1 | 0 | 0 | 1 | 1.00 | 10.0 |" in out.stdout
+    text = doc.read_text()
+    assert "STALE-BLOCK" not in text and "Unplanted loss spikes: r: steps 20." in text
+    assert "Measured by `python scripts/eval_spikes.py --load" in text
+    bad = subprocess.run([*cmd, "--shard", "2/2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == "--shard '2/2': not I/N with 0 <= I < N"

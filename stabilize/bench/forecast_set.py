@@ -178,6 +178,22 @@ def holdout3() -> list[tuple[str, str, list[str]]]:
     return out
 
 
+def holdout4() -> list[tuple[str, str, list[str]]]:
+    """A fourth holdout (``--holdout4``), recorded before a rule for the sandwich placement's
+    sublayer-output norms (``*_out``: they rise toward their line and level off) was chosen
+    on the sets before it, and scored only after: seeds 10 and 11 at LR 1.8e-2 and 4.5e-2
+    on every placement, 400-step healthy runs of the tiny model (sandwich, pre), the wide
+    model on sandwich and DeepNorm and an fp16 reduction on sandwich."""
+    out = []
+    for place in ("pre", "post", "sandwich", "deepnorm"):
+        out += [natural(lr, place, seed) for seed in (10, 11) for lr in (1.8e-2, 4.5e-2)]
+    for place in ("sandwich", "pre"):
+        out += [healthy(place, "seed=10", tag="s10-long", lr=3e-3, steps=400)]
+    out += [natural(1.2e-2, p, 10, *WIDE, tag="w256d6") for p in ("sandwich", "deepnorm")]
+    out += [natural(2e-2, "sandwich", 10, *FP16_NATURAL, tag="fp16")]
+    return out
+
+
 def tags(overrides: list[str]) -> dict[str, str]:
     """The axes a run sits on, read from its overrides (BASE's values where it has none)."""
     kv = dict(o.split("=", 1) for o in overrides)

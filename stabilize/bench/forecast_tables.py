@@ -179,6 +179,7 @@ def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
         ("holdout", "the constant margin and forecast_climb were chosen"),
         ("holdout2", "the leading slowed distance and the past-the-line rule were chosen"),
         ("holdout3", "the expiring warning was chosen"),
+        ("holdout4", "the rule for the sandwich placement's sublayer-output norms was chosen"),
     ):
         held = [s for s in scores if tag[s.name]["set"] == part]
         if held:
