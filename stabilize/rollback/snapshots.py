@@ -182,7 +182,8 @@ class DurableWriter:
     """Writes snapshots to disk off the training thread, one at a time, in order.
 
     A durable write (torch.save + fsync + rename, ``save_durable``) of a 1.3B model and its
-    Adam moments is ~21 GB: tens of seconds that a synchronous write takes out of training.
+    Adam moments is ~16 GB (12 bytes a parameter: docs/memory.md): seconds to tens of
+    seconds that a synchronous write takes out of training.
     Here the write runs on one background thread while training goes on; the snapshot's
     host buffers are not touched meanwhile, because the ring only recycles them on a later
     snapshot, and ``_snapshot`` first waits (``busy_with``) when the state it is about to

@@ -128,7 +128,8 @@ class StabilityProbe:
 
     def reset(self, detailed: bool = True, device=None, logged: bool | None = None) -> None:
         """Start a step: zero the statistics; ``detailed`` also measures the attention
-        bound (two passes over q and k: the callback asks for it on logged steps only);
+        bound (two passes over q and k: the callback asks for it on logged steps, and on
+        every step while a monitor that reads it every step is on, ``attn_logit`` by default);
         ``logged`` (default: ``detailed``) the lowest head entropy and, at the optimizer
         step, the per-block gradient norms and update ratios (``record_params``)."""
         self.detailed, self.logged = detailed, detailed if logged is None else logged
