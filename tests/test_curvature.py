@@ -98,11 +98,13 @@ class _Forwards(L.Callback):
 
     def __init__(self):
         self.n = 0
+        self.precision: list[str] = []  # torch's fp32 matmul precision at each forward
 
     def on_fit_start(self, trainer, pl_module):
         def hook(module, args, out):
             if module.training:
                 self.n += 1
+                self.precision.append(torch.get_float32_matmul_precision())
 
         pl_module.model.register_forward_hook(hook)
 
@@ -110,14 +112,23 @@ class _Forwards(L.Callback):
 def test_a_run_logs_the_series_on_log_steps_at_two_extra_passes_and_the_same_losses(tmp_path):
     """8 steps, a log step every 2, the curvature on every log step: g2_v and update ratios
     per block and whole, curv_u / curv_pre beside their lines on the 4 log steps and on no
-    other; 8 + 2 x 4 training forwards; the losses are those of the run without it, bit
-    for bit (the pass restores the weights and leaves every .grad alone)."""
+    other; 8 + 2 x 4 training forwards, the pass's in full fp32 under a run that allows
+    TF32; the losses are those of the run without it (the default: off), bit for bit (the
+    pass restores the weights and leaves every .grad alone)."""
     from stabilize.lit.runner import run
 
     common = [*FAST, "trainer.max_steps=8", "trainer.log_every_n_steps=2", "model.dropout=0.1"]
     counted = _Forwards()
-    run(compose_run(tmp_path / "on", [*common, "monitor.curvature.every=1"]), [counted])
-    run(compose_run(tmp_path / "off", [*common, "monitor.curvature.enabled=false"]))
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32, as a user on an A100 may set it
+    try:
+        run(compose_run(tmp_path / "on", [*common, "monitor.curvature.every=1"]), [counted])
+        assert torch.get_float32_matmul_precision() == "high"  # restored after each pass
+    finally:
+        torch.set_float32_matmul_precision(before)
+    # the two passes in full fp32, the step's own forwards as the user set them
+    assert counted.precision.count("highest") == 8 and counted.precision.count("high") == 8
+    run(compose_run(tmp_path / "off", common))  # the default: monitor.curvature.every=0
     rows = {tag: read_csv_metrics(tmp_path / tag) for tag in ("on", "off")}
     losses = {tag: [r["train/loss"] for r in rs if "train/loss" in r] for tag, rs in rows.items()}
     assert len(losses["on"]) >= 4 and losses["on"] == losses["off"]
