@@ -171,6 +171,8 @@ def main(argv=None) -> int:
                    help="a monitor.activation setting for the forecast (repeatable)")  # fmt: skip
     p.add_argument("--doc", type=Path, help="also write the tables into this doc, between its "
                    "<!-- eval_forecast:begin/end --> markers")  # fmt: skip
+    p.add_argument("--doc-block", default="eval_forecast", metavar="NAME",
+                   help="the doc's block to write: <!-- NAME:begin/end -->")  # fmt: skip
     p.add_argument("--sweep", action="store_true", help="also score the settings of "
                    "forecast_set.SWEEP, one changed at a time: the trade-off table")  # fmt: skip
     args = p.parse_args(argv)
@@ -232,7 +234,7 @@ def main(argv=None) -> int:
         )
         body = (f"Measured by `{cmd.strip()}` at commit {commit()}, on {cpu()}. Written by the "
                 "script: do not edit by hand.\n\n" + text)  # fmt: skip
-        err = replace_block(args.doc, "eval_forecast", body)
+        err = replace_block(args.doc, args.doc_block, body)
         if err:
             print(f"eval_forecast.py: {err}", file=sys.stderr)
             return 2

@@ -186,6 +186,26 @@ def test_the_warning_leads_with_the_slowed_distance_and_a_confirmed_warning_come
     assert first(forecast_confirm=3).step == plain.step + 2
 
 
+def test_forecast_within_holds_a_far_warning_until_it_leads_with_that_many_steps():
+    """``forecast_within`` = W: no warning whose slowed distance exceeds W; on a steady climb
+    the layer is warned later, when its distance has come within W, still ahead of the
+    crossing (float64 truth: the series itself)."""
+    v = series(60, 2.0, 1.15, 0.03, 1)
+
+    def first(**kw):
+        mon = monitor(**kw)
+        for i, x in enumerate(v):
+            for e in mon.update(StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(x)})):
+                if e.monitor == "forecast":
+                    return e
+
+    free = first()
+    assert free.value > 10  # the default warns this climb further out than 10 steps
+    held = first(forecast_within=10.0)
+    assert held.value <= 10 and held.step > free.step
+    assert crossing(v, 256.0) - held.step >= 5  # still a 5-step lead
+
+
 def test_a_layer_measured_past_a_line_is_not_warned_of_that_crossing():
     """A layer whose row RMS overflowed this step (the statistic is inf) has crossed: its
     |x| max climb, whose fitted level lags below the line, is not warned then. The same

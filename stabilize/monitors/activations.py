@@ -68,6 +68,10 @@ class ActivationConfig:
     drift arrives at ~N. It changes no decision (0: the two are the same)."""
     forecast_confirm: int = 1
     """Steps in a row a crossing must be significant before it is warned."""
+    forecast_within: float = 0.0
+    """Warn only when the distance the warning leads with (the slowed one) is at most this
+    many steps (0: any within ``horizon``): far projections of early growth mostly level
+    off before the line (docs/forecast.md)."""
     forecast_rate_noise: float = 0.0
     """How much of the rate's own step-to-step drift the pessimistic path allows for (0: off,
     the rate is known up to its fit's error; 1: a rate that wandered by tau a step may
@@ -97,6 +101,7 @@ class ActivationConfig:
         check_range("monitor.activation.forecast_slow_steps", self.forecast_slow_steps, 0.0, 1e6)
         check_positive("monitor.activation.forecast_confirm", self.forecast_confirm, integer=True)
         check_range("monitor.activation.forecast_rate_noise", self.forecast_rate_noise, 0.0, 100.0)
+        check_range("monitor.activation.forecast_within", self.forecast_within, 0.0, 1e6)
         check_choice("monitor.activation.on_overflow", self.on_overflow, ("warn", "rollback"))
         check_choice("monitor.activation.line", self.line, LINES)
         check_choice("monitor.activation.activation_dtype", self.activation_dtype, ACT_DTYPES)
@@ -167,6 +172,7 @@ class ActivationMonitor:
         self.forecast_warned: dict[str, int] = {}
         self._rms_line: dict[int, float] = {}  # D -> 255.94 / sqrt(D)
         self.confirm, self.slow_steps = c.forecast_confirm, c.forecast_slow_steps
+        self.within = c.forecast_within
         self._streak: dict[str, int] = {}  # layer -> consecutive steps with a significant crossing
 
     def update(self, stats: StepStats) -> list[Event]:
@@ -269,11 +275,17 @@ class ActivationMonitor:
                 self._streak[layer] < self.confirm
             ):
                 continue
-            self.forecast_warned[layer] = step
             _, kind, p = min(sig, key=lambda t: t[0])
+            if self.within and self._slowed(p, step) > self.within:
+                continue  # too far yet: warned once it comes within reach
+            self.forecast_warned[layer] = step
             value, line = lines[(layer, kind)]
             events.append(self._event(step, layer, kind, value, line, p))
         return events
+
+    def _slowed(self, p: Projection, step: int) -> float:
+        """The distance a warning leads with: the projection x (1 + slow_steps / step)."""
+        return p.left * (1.0 + self.slow_steps / max(step, 1))
 
     def _event(self, step, layer, kind, value, line, p: Projection) -> Event:
         what = "|x| max" if kind == "abs" else "largest row RMS"
@@ -282,7 +294,7 @@ class ActivationMonitor:
         # growth slows with the step (forecast_slow_steps), so the projection at the current
         # rate alone comes ~2x early in the first steps (docs/forecast.md). The projection is
         # still given: a steady drift arrives at it.
-        slowed = p.left * (1.0 + self.slow_steps / max(step, 1))
+        slowed = self._slowed(p, step)
         z = f"{self.forecaster.z:g} sigma"
         if p.within < 1:
             soon = f"within {z} of it now"
