@@ -79,3 +79,32 @@ def test_bad_spike_arguments_are_refused_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert said in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run" / "gap").exists()  # nothing written
+
+
+@pytest.mark.slow  # three runs of 40 steps and four window replays: ~1.5 minutes
+def test_a_spike_no_fault_planted_is_skipped_as_a_resume_with_its_batch_skipped_would(tmp_path):
+    """The skip branch of a spike no fault planted (``--at``) never trains on the spike's
+    batch. Its independent reference: the same run stopped at the window's start and
+    resumed by the harness's own resume path with that batch's data position in
+    ``skipped_batches.json`` (the skip_batch rung's file). The damage by hand from the two
+    runs' held-out batches is the counterfactual's, to 1e-6; lower_lr and clip run too."""
+    common = ("stabilize-train experiment=main precision=fp32 trainer.max_steps=40 "
+              "optim.lr=1e-3 rollback.enabled=false trainer.checkpoint_every_n_steps=10 "
+              "logger=none seed=1234")  # fmt: skip
+    _sh(f"{common} run_dir=runs/calm", tmp_path)
+    _sh(f"{common} trainer.stop_at_step=20 run_dir=runs/ref", tmp_path)
+    ref = tmp_path / "runs" / "ref"
+    # step 25 is the 5th after the checkpoint at 20: one micro-batch a step, data position 24
+    (ref / "skipped_batches.json").write_text(json.dumps({"batches": [{"data_step": 24}]}))
+    _sh(f"{common} resume=auto run_dir=runs/ref", tmp_path)
+    out = _sh("stabilize-replay --spike runs/calm --at 25 --steps 15", tmp_path)
+    found = json.loads((tmp_path / "runs" / "calm" / "gap" / "spike.json").read_text())
+    assert found["planted"] is False and found["start"] == 20 and found["end"] == 40
+    skip = found["branches"]["skip"]
+    assert skip["skipped_data_steps"] == [24]
+    pairs = zip(_batches(tmp_path / "runs" / "calm"), _batches(ref), strict=True)
+    by_hand = statistics.fmean(a - b for a, b in pairs)
+    assert by_hand != 0.0 and skip["gap"] == pytest.approx(by_hand, abs=1e-6)
+    assert set(found["branches"]) == {"skip", "clip", "lower_lr"}
+    assert found["branches"]["lower_lr"]["gap"] != 0.0  # the rung took effect
+    assert "skip (the spike's batch skipped, the skip_batch rung)" in out

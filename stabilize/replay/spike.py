@@ -5,14 +5,18 @@ From the run's last step checkpoint before the spike (its initial state when the
 none), the window up to N steps after it is replayed in this process (gap_bisect.Window,
 the run's own config and LR schedule) once as it happened and once per remedy:
 
-- ``skip``: the spike's step as if its planted fault had not fired (a planted fault only:
-  ``fault.enabled=false`` for the window);
+- ``skip``: the spike's step as if its planted fault had not fired (``fault.enabled=false``
+  for the window); a spike no fault planted: its batches never trained on (the
+  ``skip_batch`` rung: the data positions of the spike's step skipped by the sampler from
+  the window's start, the step training on the next batch, as a resume with them in
+  ``skipped_batches.json`` would);
 - ``clip``: the gradients clipped at a norm of 1 (``optim.grad_clip=1``);
 - ``lower_lr``: the ladder's ``lower_lr`` rung after a rollback to the checkpoint: the LR
   scale multiplied by ``rollback.remedy.lower_lr.factor`` from there, warming back to the
-  schedule after its ``recover_after`` steps, and the planted fault (transient: a rolled
-  back spike does not recur) off. The LR lives in the checkpoint's state, not in the
-  config, so the replay sets the remedy's state on its module at the start.
+  schedule after its ``recover_after`` steps, and a planted fault (transient: a rolled
+  back spike does not recur) off; a spike no fault planted meets its own batch again, at
+  the lower LR. The LR lives in the checkpoint's state, not in the config, so the replay
+  sets the remedy's state on its module at the start.
 
 Each branch is scored on the held-out batches (``final_eval.json``'s ``batch_loss``); the
 damage is the as-happened branch's held-out loss minus the remedy's, paired by batch, with
@@ -63,12 +67,38 @@ class _LowerLR(L.Callback):
         st.lr_since = st.model_step  # as the controller stamps a rollback
 
 
-# name -> (its words, an edit of the replay's config, its callbacks, planted faults only)
+class _SkipSpikeBatch(L.Callback):
+    """The skip_batch rung for a spike no fault planted: the data positions of the spike's
+    step, counted from the window's start over the positions the run already skips, are
+    skipped by the sampler (``TrainState.skipped``, which it shares)."""
+
+    def __init__(self, spike: int):
+        self.spike = spike
+
+    def on_train_start(self, trainer, pl_module):
+        st = pl_module.train_state
+        per_step = int(pl_module.cfg.optim.accumulate_grad_batches)
+        first = (self.spike - 1 - st.model_step) * per_step  # micro-steps before the spike's
+        pos, seen, found = st.data_step, 0, []
+        while len(found) < per_step:
+            if pos not in st.skipped:
+                if seen >= first:
+                    found.append(pos)
+                seen += 1
+            pos += 1
+        st.skipped |= set(found)  # in place: the sampler holds this set
+        self.positions = found
+
+
+# name -> (its words, an edit of the replay's config, its callbacks), for a planted spike
+# and for one no fault planted
 REMEDIES = {
-    "skip": ("the spike's step without its planted fault", _skip, (), True),
-    "clip": ("gradients clipped at norm 1", _clip, (), False),
-    "lower_lr": ("a rollback with the LR lowered, the lower_lr rung", _skip, (_LowerLR,), True),
-}
+    "skip": (("the spike's step without its planted fault", _skip, ()),
+             ("the spike's batch skipped, the skip_batch rung", None, (_SkipSpikeBatch,))),
+    "clip": (("gradients clipped at norm 1", _clip, ()),) * 2,
+    "lower_lr": (("a rollback with the LR lowered, the lower_lr rung", _skip, (_LowerLR,)),
+                 ("a rollback with the LR lowered, the lower_lr rung", None, (_LowerLR,))),
+}  # fmt: skip
 
 
 def spike_step(run_dir: Path) -> int:
@@ -121,9 +151,10 @@ def counterfactual(
     spike = spike_step(run_dir) if at is None else at
     end = min(spike + steps, int(saved["trainer"]["max_steps"]))
     start = max((s for s in _checkpoints(run_dir) if s < spike), default=0)
-    planted = saved.get("fault", {}).get("enabled") and saved["fault"].get("kind") != "none"
-    todo = [r for r in remedies if planted or not REMEDIES[r][3]]
+    planted = bool(saved.get("fault", {}).get("enabled")) and saved["fault"].get("kind") != "none"
+    todo = list(remedies)
     out: dict[str, Any] = {"spike": spike, "start": start, "end": end, "branches": {},
+                           "planted": planted,
                            "tokens_per_step": int(saved["data"]["batch_size"])
                            * int(saved["model"]["block_size"])
                            * int(saved["optim"]["accumulate_grad_batches"])}  # fmt: skip
@@ -140,9 +171,10 @@ def counterfactual(
         happened = win.score(frozenset(), what="as it happened")
         a_curve = _smooth(win.curve, window)
         for name in todo:
-            words, edit, callbacks, _ = REMEDIES[name]
-            b = win.score(frozenset(), edit=edit, what=f"with {words}",
-                          callbacks=[c() for c in callbacks])  # fmt: skip
+            words, edit, callbacks = REMEDIES[name][0 if planted else 1]
+            made = [c(spike) if c is _SkipSpikeBatch else c() for c in callbacks]
+            b = win.score(frozenset(), edit=edit, what=f"with {words}", callbacks=made)
+            skipped = [m.positions for m in made if isinstance(m, _SkipSpikeBatch)]
             gap, se = _paired(happened, b)
             b_curve = _smooth(win.curve, window)
             back = None
@@ -161,6 +193,8 @@ def counterfactual(
                                    if sigma is not None else gap > 2 * se)  # fmt: skip
             out["branches"][name] = {"words": words, "gap": gap, "gap_se": se, "sigma": sigma,
                                      "lasting": lasting, "back_after": back}  # fmt: skip
+            if skipped:
+                out["branches"][name]["skipped_data_steps"] = skipped[0]
     out["replays"] = 1 + len(todo)
     return out
 
