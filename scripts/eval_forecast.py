@@ -195,6 +195,8 @@ def main(argv=None) -> int:
     in_core = {name for _, name, _ in core()}
     if args.load:  # a holdout is scored only when asked for (--holdout, --holdout2, ...)
         left = {n for k in held if not getattr(args, k) for n in held[k]}
+        if args.holdouts_only:  # and nothing but the holdouts asked for
+            left |= {name for _, name, _ in core() + wide()}
         runs = [r for r in json.loads(args.load.read_text()) if r["name"] not in left]
     else:
         # a --save file from an interrupted set: its finished runs are kept, not rerun

@@ -265,6 +265,17 @@ def test_an_older_checkpoints_warned_layers_stay_warned_until_their_approach_end
     assert resumed({"h.1.ln_1": 0}) == [41]  # expired: warned again at once
 
 
+def test_a_steady_rate_equal_in_both_halves_but_for_rounding_is_not_damped():
+    """A straight line in log space: the window's halves have the same slope up to float
+    rounding, so the rate is steady (phi 1) and the central crossing is -level / slope by
+    hand. A phi of 1 - 1e-16 made log(rest) / log(phi) noise (6.0 for 5.63 here)."""
+    f = LineForecaster(ActivationConfig())
+    for k in range(8):
+        p = f.update({("x", "abs"): (0.3 * 1.1**k, 1.0)}).get(("x", "abs"))
+    assert p.phi == 1.0
+    assert p.left == pytest.approx(-math.log(0.3 * 1.1**7) / math.log(1.1), rel=1e-9)
+
+
 def test_forecaster_state_round_trips_mid_series():
     v = series(30, 2.0, 1.2, 0.03)
     a, b = LineForecaster(users()), LineForecaster(users())

@@ -39,7 +39,7 @@ def test_a_quotient_rising_toward_adams_line_is_warned_when_its_rise_covers_the_
     # 0.3 x the line, x1.1 a point: it crosses at point ln(1/0.3) / ln 1.1 = 12.6. The
     # forecaster's climb rule (activation defaults, climb 1) warns once the rise since the
     # lowest point covers the distance left: k ln 1.1 >= -ln 0.3 - k ln 1.1, k >= 6.3 -> 7
-    mon = CurvatureMonitor(CurvatureConfig(forecast=True, horizon=40))
+    mon = CurvatureMonitor(CurvatureConfig(every=1, forecast=True, horizon=40))
     events = feed(mon, rising(13))
     assert [(e.step, e.layer, e.monitor, e.kind) for e in events] == [
         (7, "preconditioned", "curvature", "warn")
@@ -57,7 +57,7 @@ def test_points_ten_steps_apart_are_read_in_steps_and_the_horizon_counts_steps()
     sigma, slope = 0.01, math.log(1.1) - 3 * 0.01 * math.sqrt(12 / 504)
     within = [(3 * sigma - math.log(0.3 * 1.1**k)) / slope for k in (9, 10)]
     assert within[0] > 4 >= within[1]
-    mon = CurvatureMonitor(CurvatureConfig(forecast=True, horizon=40))
+    mon = CurvatureMonitor(CurvatureConfig(every=1, forecast=True, horizon=40))
     events = feed(mon, rising(13, spacing=10))
     assert [e.step for e in events] == [100]
     assert events[0].value == pytest.approx(10 * -math.log(0.3 * 1.1**10) / math.log(1.1))
@@ -65,22 +65,36 @@ def test_points_ten_steps_apart_are_read_in_steps_and_the_horizon_counts_steps()
 
 def test_off_by_default_non_positive_quotients_are_not_points_and_the_state_round_trips():
     assert feed(CurvatureMonitor(), rising(13)) == []  # forecast=false, the default
-    mon = CurvatureMonitor(CurvatureConfig(forecast=True))
+    mon = CurvatureMonitor(CurvatureConfig(every=1, forecast=True))
     assert feed(mon, [stats(k, -0.5) for k in range(20)]) == []
     assert ("preconditioned", "line") not in mon.forecaster.hist  # no log of a curvature <= 0
-    a = CurvatureMonitor(CurvatureConfig(forecast=True))
-    b = CurvatureMonitor(CurvatureConfig(forecast=True))
+    a = CurvatureMonitor(CurvatureConfig(every=1, forecast=True))
+    b = CurvatureMonitor(CurvatureConfig(every=1, forecast=True))
     series = rising(13)
     feed(a, series[:5])
     b.load_state_dict(a.state_dict())
     assert [e.step for e in feed(b, series[5:])] == [7]
 
 
-def test_the_horizon_is_checked_in_one_line():
-    from stabilize.run.config import ConfigError
+def test_bad_settings_are_refused_in_one_line_naming_the_key_and_value():
+    from stabilize.validate import ConfigError
 
-    with pytest.raises((ValueError, ConfigError), match="monitor.curvature.horizon"):
+    with pytest.raises(ConfigError) as e:
         CurvatureConfig(horizon=0)
+    assert "monitor.curvature.horizon=0 is not allowed" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        CurvatureConfig(forecast=True)  # every=0, the default: nothing to forecast on
+    msg = str(e.value)
+    assert "monitor.curvature.forecast=true" in msg and "every=0" in msg and "\n" not in msg
+    assert "allowed: every >= 1" in msg
+
+
+def test_points_further_apart_than_the_horizon_warn_nothing():
+    # a point every 100 steps (a log step every 10, every=10) against a 40-step horizon:
+    # the same climb that is warned at spacings of 1 and 10 is not warned at all
+    mon = CurvatureMonitor(CurvatureConfig(every=10, forecast=True, horizon=40))
+    assert feed(mon, rising(20, spacing=100)) == []
+    assert len(mon.forecaster.hist[("preconditioned", "line")]) == 8  # still recorded
 
 
 def noisy(n: int, level: float = 3.0) -> list[float]:

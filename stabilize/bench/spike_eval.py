@@ -123,7 +123,7 @@ def label_spikes(losses: list[float], ratio: float = RATIO, z: float = Z) -> lis
 def warnings(steps: list[dict], cadence: int, horizon: int) -> list[tuple[int, str]]:
     """The forecast's warnings (step, unit) over a recorded run, its curvature points kept
     on every ``cadence``-th step only: the monitor as a run builds it, forecast on."""
-    mon = CurvatureMonitor(CurvatureConfig(forecast=True, horizon=horizon))
+    mon = CurvatureMonitor(CurvatureConfig(every=1, forecast=True, horizon=horizon))
     out = []
     for d in steps:
         s = StepStats(**d)
@@ -147,6 +147,7 @@ class SpikeScore:
     warned: list[tuple[int, str]]
     horizon: int
     points: dict[str, list[float]] = field(default_factory=dict)  # unit -> value / line
+    last: int = 0  # the run's last step (runs number their steps from 1)
 
     def lead(self, spike: int) -> int | None:
         """The longest lead of a warning 5..horizon steps before ``spike``."""
@@ -155,10 +156,10 @@ class SpikeScore:
 
     def verdict(self, w: int) -> bool | None:
         """A warning at step w: True (a spike follows within the horizon), False, or None
-        (its horizon runs past the run's end with none)."""
+        (its horizon runs past the run's last step with none)."""
         if any(w < s <= w + self.horizon for s in self.spikes):
             return True
-        return None if w + self.horizon >= self.steps else False
+        return None if w + self.horizon > self.last else False
 
 
 def grad_spikes(steps: list[dict]) -> list[int]:
@@ -197,7 +198,7 @@ def score(run: dict, cadence: int, horizon: int, truth: str = "loss") -> SpikeSc
     return SpikeScore(
         run["name"], run["group"], len(steps), [t for t in found if t not in planted], planted,
         own, warnings(steps, cadence, horizon),
-        horizon, points,
+        horizon, points, steps[-1]["step"],
     )  # fmt: skip
 
 

@@ -11,11 +11,13 @@ The spike forecast (``forecast=true``; off by default): each quotient against it
 unit of the activation forecast's trend forecaster (monitors/forecast.py, its default
 settings: log(value / line), a robust slope, a noise floor learned from the series, the
 pessimistic path), fed one point per curvature step; a quotient projected to reach its
-line within ``horizon`` steps is warned once, and again once that warning's horizon has
-passed. A quotient at or below 0 (the loss curves down along the update) is not a point:
-there is no log of it. Off by default because its measured precision is what
-docs/forecast.md's spike table says (scripts/eval_spikes.py): at the tiny model's scale no
-recipe made a natural loss spike, and crossings of the lines are routine at high LRs."""
+line within ``horizon`` steps is warned, and again once that warning's horizon has passed
+(nothing is warned when the points are further apart than the horizon). A quotient at or
+below 0 (the loss curves down along the update) is not a point: there is no log of it, and
+the points on either side of it are read as consecutive. Off by default because its
+measured precision is what docs/forecast.md's spike table says (scripts/eval_spikes.py):
+at the tiny model's scale no recipe made a natural loss spike, and crossings of the lines
+are routine at high LRs."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 from stabilize.monitors.events import WARN, Event, StepStats
 from stabilize.monitors.forecast import LineForecaster
-from stabilize.validate import check_count, check_positive, check_range
+from stabilize.validate import ConfigError, check_count, check_positive, check_range
 
 # (quotient, its line, the unit's name, the line's name)
 UNITS = (
@@ -42,7 +44,7 @@ class CurvatureConfig:
     every: int = 0
     """On one log step in this many: two extra forward and backward passes in fp32 then. 0
     (the default): never. Opt-in because of its cost at scale: +1.3% of a tiny run at 10 on
-    this project's CPU, but on paper ~30% of a gpt-1.3b run on an A100 at 10 (two fp32
+    this project's CPU, but on paper +16% to +32% of a gpt-1.3b run on an A100 at 10 (two fp32
     passes, TF32 off, every 100 steps: docs/monitors.md)."""
     rel: float = 1e-4
     """The difference quotient's step, ||h u|| / ||theta||."""
@@ -56,6 +58,12 @@ class CurvatureConfig:
         check_count("monitor.curvature.every", self.every)
         check_range("monitor.curvature.rel", self.rel, 1e-6, 1e-1)
         check_positive("monitor.curvature.horizon", self.horizon, integer=True)
+        if self.forecast and not (self.enabled and self.every):
+            raise ConfigError(
+                f"monitor.curvature.forecast=true is not allowed with monitor.curvature."
+                f"every={self.every} and enabled={self.enabled}: the curvature is never "
+                "measured; allowed: every >= 1 and enabled=true, or forecast=false"
+            )
 
 
 def _forecaster() -> LineForecaster:
@@ -89,15 +97,18 @@ class CurvatureMonitor:
         if self.last_point is not None and step > self.last_point:
             self.spacing = step - self.last_point
         self.last_point = step
-        # the forecaster counts points: its horizon is the steps' at the points' spacing
-        self.forecaster.horizon = max(1, self.horizon // self.spacing)
+        # the forecaster counts points: its horizon is the steps' at the points' spacing (0
+        # points when they are further apart than the horizon: nothing can be warned then)
+        points = self.horizon // self.spacing
+        self.forecaster.horizon = max(1, points)
         values = {
             (unit, "line"): (opt[q], opt[line])
             for q, line, unit, _ in UNITS
             if q in opt and line in opt and math.isfinite(opt[line]) and opt[line] > 0
         }
         events = []
-        for (unit, _), p in self.forecaster.update(values).items():
+        projections = self.forecaster.update(values)  # the history grows either way
+        for (unit, _), p in projections.items() if points >= 1 else ():
             value, line = values[(unit, "line")]
             if not value < line or p.level >= 0 or not p.significant:
                 continue  # past its line (that is a measurement, not a forecast), or no rise

@@ -97,8 +97,8 @@ def step_gradient(trainer, host, batches, positions, params) -> list[torch.Tenso
     rng = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     # fp32 matmuls in fp32: a run that allows TF32 (set_float32_matmul_precision "high", as
-    # Lightning suggests on an A100) rounds each product to 10 bits, ~1e-3 of it, where the
-    # difference moves the gradient by ~1e-4 of itself
+    # Lightning suggests on an A100) keeps 10 bits of each operand's mantissa, a rounding of
+    # up to 2^-11 ~ 5e-4 of it, where the difference moves the weights by 1e-4 of themselves
     matmul = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
