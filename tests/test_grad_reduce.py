@@ -3,6 +3,8 @@ two real processes on gloo, a real DDP with the hook, against the sum computed b
 
 from __future__ import annotations
 
+import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -35,16 +37,30 @@ def _worker(rank: int, store: str, out: str) -> None:
             got[name] = net.weight.grad
         if rank == 0:
             torch.save(got, out)
-        dist.barrier()
-    finally:
+        dist.barrier()  # every rank past every collective
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # no destroy_process_group after success: in a fresh-clone suite at dc54bb7 a rank slept
+    # in gloo's teardown for minutes after both results were in (rank 0's file written, the
+    # other rank gone); the process's exit frees the group
+    os._exit(0)
 
 
 def _reduced(tmp_path) -> dict[str, torch.Tensor]:
-    """Rank 0's gradient after DDP's own all-reduce and after the bf16 one."""
+    """Rank 0's gradient after DDP's own all-reduce and after the bf16 one; the two ranks
+    given two minutes (they take seconds), then stopped: a hang fails the test, not the
+    suite."""
     out = str(tmp_path / "grads.pt")
     store = str(tmp_path / "store")
-    mp.start_processes(_worker, args=(store, out), nprocs=2, start_method="spawn")
+    ctx = mp.start_processes(_worker, args=(store, out), nprocs=2, start_method="spawn",
+                             join=False)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the two gloo ranks did not finish in 120 s")
     return torch.load(out)
 
 

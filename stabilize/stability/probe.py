@@ -193,7 +193,9 @@ class StabilityProbe:
         heads, entropy = self.view.attn[i].heads, self.view.attn[i].entropy
 
         def hook(module, args, out):  # out: [B, H, T, hd] (``heads`` makes it so)
-            if module.training and not recomputing():  # measured once, not again in backward
+            # measured once, not again in backward; not in an extra pass with the probe off
+            # (the curvature's, buf None: its k hook would discard the bound)
+            if module.training and self.buf is not None and not recomputing():
                 if heads is not None:
                     out = heads(out, True)
                 with torch.no_grad():
