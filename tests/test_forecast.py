@@ -159,20 +159,24 @@ def test_no_crossing_needs_more_climb_than_the_layer_has_made():
     assert step0 <= step2 < step1
 
 
+def first_warning(v, **kw):
+    """The first forecast warning of a monitor (``monitor(**kw)``) fed ``v`` as one layer's
+    |x| max, step by step."""
+    mon = monitor(**kw)
+    for i, x in enumerate(v):
+        for e in mon.update(StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(x)})):
+            if e.monitor == "forecast":
+                return e
+
+
 def test_the_warning_leads_with_the_slowed_distance_and_a_confirmed_warning_comes_later():
     """The warning leads with (its value is) the slowed distance, N x (1 + s / step) with
     s = ``forecast_slow_steps``, and gives the projection at this rate second;
     ``forecast_confirm`` = k warns k - 1 steps after k = 1 on a steady climb."""
     v = series(60, 2.0, 1.15, 0.03, 1)
 
-    def first(**kw):
-        mon = monitor(**kw)
-        for i, x in enumerate(v):
-            for e in mon.update(StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(x)})):
-                if e.monitor == "forecast":
-                    return e
-
-    plain, scaled = first(forecast_slow_steps=0.0), first(forecast_slow_steps=6.0)
+    plain = first_warning(v, forecast_slow_steps=0.0)
+    scaled = first_warning(v, forecast_slow_steps=6.0)
     rate = plain.extra["at_this_rate"]
     assert plain.step == scaled.step and scaled.extra["at_this_rate"] == rate
     k = 1 + 6.0 / scaled.step  # by hand: the step the warning came at
@@ -183,7 +187,7 @@ def test_the_warning_leads_with_the_slowed_distance_and_a_confirmed_warning_come
     )
     # a steady climb: the projection at this rate is the calibrated one, in float64
     assert 0.8 <= rate / (crossing(v, 256.0) - plain.step) <= 1.25
-    assert first(forecast_confirm=3).step == plain.step + 2
+    assert first_warning(v, forecast_confirm=3).step == plain.step + 2
 
 
 def test_forecast_within_holds_a_far_warning_until_it_leads_with_that_many_steps():
@@ -192,16 +196,9 @@ def test_forecast_within_holds_a_far_warning_until_it_leads_with_that_many_steps
     crossing (float64 truth: the series itself)."""
     v = series(60, 2.0, 1.15, 0.03, 1)
 
-    def first(**kw):
-        mon = monitor(**kw)
-        for i, x in enumerate(v):
-            for e in mon.update(StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(x)})):
-                if e.monitor == "forecast":
-                    return e
-
-    free = first()
+    free = first_warning(v)
     assert free.value > 10  # the default warns this climb further out than 10 steps
-    held = first(forecast_within=10.0)
+    held = first_warning(v, forecast_within=10.0)
     assert held.value <= 10 and held.step > free.step
     assert crossing(v, 256.0) - held.step >= 5  # still a 5-step lead
 

@@ -10,6 +10,7 @@ import pytest
 from stabilize.bench import spike_eval as S
 from stabilize.monitors.curvature import CurvatureConfig, CurvatureMonitor
 from stabilize.monitors.events import StepStats
+from stabilize.monitors.spikes import LossSpikeConfig
 
 LR = 1e-2
 EDGE_ADAM, EDGE_GD = 38 / LR, 2 / LR
@@ -101,17 +102,26 @@ def noisy(n: int, level: float = 3.0) -> list[float]:
     return [level + (0.01 if k % 2 else -0.01) for k in range(n)]
 
 
+def labelled(losses: list[float], cfg=S.LABEL) -> list[int]:
+    return S.detected([{"step": k, "loss": x} for k, x in enumerate(losses)], "loss", cfg)
+
+
 def test_a_loss_spike_is_labelled_by_hand():
+    # a window alternating 2.99 / 3.01: its median 3.0; successive differences +-0.02, their
+    # median one of them, so the MAD is 0 and sigma the 1% floor, 0.03. 3.6 is 1.2x the
+    # median and 20 sigma above it: a spike (LABEL: 1.1x and 6 sigma)
     losses = noisy(80)
-    losses[50] = 3.6  # 1.2x the median; sigma from the differences: 1.4826 x 0 -> 1% floor
-    assert S.label_spikes(losses) == [50]
+    losses[50] = 3.6
+    assert labelled(losses) == [50]
     losses[55] = 3.6  # within GAP steps of the last labelled one: the same episode
-    assert S.label_spikes(losses) == [50]
-    losses[50] = losses[55] = 3.2  # 1.067x: below RATIO
-    assert S.label_spikes(losses) == []
+    assert labelled(losses) == [50]
+    losses[50] = losses[55] = 3.2  # 1.067x the median (6.7 sigma): below the 1.1x
+    assert labelled(losses) == []
     losses[5] = 9.0  # before FIRST: not labelled
-    assert S.label_spikes(losses) == []
-    assert S.label_spikes([*noisy(30), 3.6], S.MONITOR_RATIO, S.MONITOR_Z) == []  # < 1.5x
+    assert labelled(losses) == []
+    # the monitor at its defaults wants 1.5x the median: 3.6 is not a spike to it
+    assert labelled([*noisy(30), 3.6], LossSpikeConfig()) == []
+    assert labelled([*noisy(30), 4.6], LossSpikeConfig()) == [30]
 
 
 def run_dict(spike: int | None, warn_at: int, n: int = 60) -> dict:

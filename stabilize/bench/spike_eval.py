@@ -16,14 +16,15 @@ None of the forecast's settings was chosen on these runs: it is the activation f
 trend forecaster with its defaults (monitors/curvature.py), committed before the set was
 recorded.
 
-**Ground truth** comes from the training loss alone, never from the series forecast on: a
-spike starts at step t >= ``FIRST`` when loss_t > ``RATIO`` x m and (loss_t - m) / sigma >
-``Z``, m the median of the previous ``WINDOW`` losses and sigma the trend-robust noise of
-the loss-spike monitor (1.4826 x the MAD of successive differences / sqrt 2, floored at
-1% of m: monitors/spikes.py), milder than that monitor's defaults (1.5x, 8 sigma) so that
-smaller spikes count; a new spike needs ``GAP`` steps without a labelled step. The monitor's
-own rule is counted beside it. A spike at the planted fault's step or in the ``PLANTED_AFTER``
-steps after it is *planted*: shown apart, never in recall.
+**Ground truth** comes from the training loss alone, never from the series forecast on: the
+loss-spike monitor's own detector (monitors/spikes.py: the median of its window, the trend-
+robust sigma of successive differences, floored at 1% of the median; a spike never enters
+the window it is judged against), run on the recorded losses with milder settings
+(``LABEL``: 1.1x the median and 6 sigma over the last 20 steps) so that smaller spikes
+count, from step ``FIRST`` on; a new spike needs ``GAP`` steps without a labelled one. The
+monitor at its own defaults (1.5x, 8 sigma over 100 steps) is counted beside it. A spike at
+the planted fault's step or in the ``PLANTED_AFTER`` steps after it is *planted*: shown
+apart, never in recall.
 
 **Scoring** (per cadence: a curvature point every k steps): a spike is warned when a warning
 of either quotient came 5 to ``horizon`` steps before it (recall over the unplanted spikes);
@@ -42,7 +43,7 @@ from stabilize.bench.forecast_set import WIDE
 from stabilize.monitors.curvature import UNITS, CurvatureConfig, CurvatureMonitor
 from stabilize.monitors.events import StepStats
 from stabilize.monitors.forecast_score import _div, fmt
-from stabilize.monitors.spikes import GradSpikeConfig, SpikeDetector
+from stabilize.monitors.spikes import GradSpikeConfig, LossSpikeConfig, SpikeConfig, SpikeDetector
 
 BASE = [
     "experiment=main",
@@ -57,8 +58,10 @@ BASE = [
     "trainer.progress=none",
     "audit.every=0",
 ]
-WINDOW, RATIO, Z, GAP, FIRST = 20, 1.1, 6.0, 10, 10
-MONITOR_RATIO, MONITOR_Z = 1.5, 8.0  # monitor.loss_spike's defaults
+GAP, FIRST = 10, 10
+# the loss-spike monitor's detector, milder than its defaults (1.5x and 8 sigma over 100
+# steps, counted beside): 1.1x and 6 sigma over the last 20 steps, judged after 3
+LABEL = LossSpikeConfig(window=20, warmup=3, threshold=6.0, min_ratio=1.1)
 LEAD = 5  # a warning counts toward recall from this many steps ahead
 CADENCES = (1, 10)
 PLANTED_STEP = 100
@@ -99,24 +102,18 @@ def spike_set() -> list[tuple[str, str, list[str]]]:
     return out + [natural(lr, 0.999, 1, 300, *WIDE, tag="w256d6") for lr in (1e-2, 2e-2)]
 
 
-def label_spikes(losses: list[float], ratio: float = RATIO, z: float = Z) -> list[int]:
-    """The steps (0-based) where a loss spike starts (module docstring)."""
+def detected(steps: list[dict], series: str, cfg: SpikeConfig) -> list[int]:
+    """The steps where a ``SpikeDetector`` with ``cfg`` fires on the recorded ``series``
+    (``loss``, ``grad_norm``), the first of each run of them (a new one after ``GAP`` quiet
+    steps), from step ``FIRST`` on."""
+    det = SpikeDetector(cfg)
     out: list[int] = []
     last = -math.inf
-    for t in range(FIRST, len(losses)):
-        v = losses[t]
-        win = [x for x in losses[max(0, t - WINDOW) : t] if math.isfinite(x)]
-        if not math.isfinite(v) or len(win) < 3:
-            continue
-        m = statistics.median(win)
-        d = [b - a for a, b in zip(win, win[1:], strict=False)]
-        dm = statistics.median(d)
-        sigma = 1.4826 * statistics.median(abs(x - dm) for x in d) / math.sqrt(2)
-        sigma = max(sigma, 0.01 * abs(m), 1e-6)
-        if v > ratio * m and (v - m) / sigma > z:
-            if t - last > GAP:
-                out.append(t)
-            last = t
+    for d in steps:
+        if det.update(d["step"], d[series]) and d["step"] >= FIRST:
+            if d["step"] - last > GAP:
+                out.append(d["step"])
+            last = d["step"]
     return out
 
 
@@ -162,32 +159,17 @@ class SpikeScore:
         return None if w + self.horizon > self.last else False
 
 
-def grad_spikes(steps: list[dict]) -> list[int]:
-    """The steps where ``monitor.grad_spike``'s detector, at its defaults (4x the median and
-    8 robust sigmas over 100 steps, after 50), fires on the recorded pre-clip gradient norms
-    (the first of each run of them, as ``label_spikes`` does)."""
-    det = SpikeDetector(GradSpikeConfig())
-    out: list[int] = []
-    last = -math.inf
-    for d in steps:
-        if det.update(d["step"], d["grad_norm"]):
-            if d["step"] - last > GAP:
-                out.append(d["step"])
-            last = d["step"]
-    return out
-
-
 def score(run: dict, cadence: int, horizon: int, truth: str = "loss") -> SpikeScore:
-    """``truth``: ``loss`` (loss spikes, ``label_spikes``) or ``grad`` (``grad_spikes``)."""
+    """``truth``: ``loss`` (loss spikes, ``LABEL``) or ``grad`` (``monitor.grad_spike``'s
+    detector at its defaults: 4x the median and 8 robust sigmas over 100 steps, after 50)."""
     steps = run["steps"]
-    losses = [d["loss"] for d in steps]
     fault = run.get("fault_step")
     if truth == "grad":
-        found = grad_spikes(steps)
+        found = detected(steps, "grad_norm", GradSpikeConfig())
         own = len(found)
     else:
-        found = [steps[t]["step"] for t in label_spikes(losses)]
-        own = len(label_spikes(losses, MONITOR_RATIO, MONITOR_Z))
+        found = detected(steps, "loss", LABEL)
+        own = len(detected(steps, "loss", LossSpikeConfig()))
     planted = [t for t in found if fault is not None and fault <= t <= fault + PLANTED_AFTER]
     points: dict[str, list[float]] = {}
     for d in steps:
@@ -265,7 +247,6 @@ def table(runs: list[dict], horizon: int, truth: str) -> tuple[str, dict]:
 
 
 def report(runs: list[dict], horizon: int) -> str:
-    groups = GROUPS
     out, by_cadence = table(runs, horizon, "loss")
     grad, by_grad = table(runs, horizon, "grad")
     out += (
@@ -274,7 +255,7 @@ def report(runs: list[dict], horizon: int) -> str:
         "monitor's own rule is the spikes' rule here):\n\n" + grad
     )
     pts = [POINTS_HEAD, "|" + "---|" * POINTS_HEAD.count(" | ") + "---|"]
-    for g in groups:
+    for g in GROUPS:
         ss = [s for s in by_cadence[1] if s.group == g]
         for _, _, unit, _ in UNITS if ss else ():
             pts.append(points_row(g, unit, ss))
