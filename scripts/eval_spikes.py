@@ -1,7 +1,7 @@
 """Score the spike forecast (``monitor.curvature.forecast``) on a labelled set of real runs.
 
     python scripts/eval_spikes.py [--save runs.json | --load runs.json ...] [--shard I/N]
-                                  [--horizon 40] [--doc docs/forecast.md]
+                                  [--quick] [--horizon 40] [--doc docs/forecast.md]
 
 The set, the labels and the scoring: stabilize/bench/spike_eval.py. Each run is trained in
 this process with every step logged and the curvature measured on every step; its per-step
@@ -81,6 +81,8 @@ def main(argv=None) -> int:
                    help="score runs recorded by --save (repeatable); no training")  # fmt: skip
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="record every N-th run of the set from the I-th")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="the set's first natural and "
+                   "healthy runs, 12 steps each (a smoke run)")  # fmt: skip
     p.add_argument("--horizon", type=int, default=40, help="the forecast's horizon (steps)")
     p.add_argument("--doc", type=Path, help="also write the tables into this doc")
     args = p.parse_args(argv)
@@ -95,6 +97,10 @@ def main(argv=None) -> int:
         runs = json.loads(args.save.read_text()) if args.save and args.save.exists() else []
         done = {r["name"] for r in runs}
         plan = spike_set()[int(i) :: int(n)]
+        if args.quick:
+            plan = [(g, f"{name}-quick", [*(o for o in ov if not o.startswith(
+                "trainer.max_steps=")), "trainer.max_steps=12"])
+                    for g, name, ov in plan if g != "planted"][:2]  # fmt: skip
         with tempfile.TemporaryDirectory(prefix="eval_spikes-") as tmp:
             for k, (group, name, ov) in enumerate(plan):
                 if name in done:

@@ -173,3 +173,25 @@ def test_the_script_scores_recorded_runs_and_writes_its_block(tmp_path):
     assert "Measured by `python scripts/eval_spikes.py --load" in text
     bad = subprocess.run([*cmd, "--shard", "2/2"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "--shard '2/2': not I/N with 0 <= I < N"
+
+
+def test_the_script_records_runs_with_a_curvature_point_on_every_step(tmp_path):
+    """``eval_spikes.py --quick --save``: real runs of the set, trained in the script's own
+    process, their StepStats recorded step by step (the input the table replays)."""
+    import json
+    import subprocess
+    import sys
+
+    save = tmp_path / "runs.json"
+    cmd = [sys.executable, "scripts/eval_spikes.py", "--quick", "--save", str(save)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = json.loads(save.read_text())
+    assert [(r["group"], len(r["steps"])) for r in runs] == [("natural", 12), ("healthy", 12)]
+    for r in runs:
+        assert [d["step"] for d in r["steps"]] == list(range(1, 13)) and r["fault_step"] is None
+        assert all(d["opt"]["g2_v"] > 0 for d in r["steps"])  # every step is a log step
+        # a curvature point on every step that had a step to take (lr 0 at the warm-up's
+        # start: no update direction, no point)
+        assert sum("curv_pre" in d["opt"] for d in r["steps"]) >= 10
+    assert "| natural | every step | 1 | 12 |" in out.stdout
