@@ -83,3 +83,26 @@ def test_a_healthy_labelled_run_that_crossed_is_scored_as_natural():
     got, moved = relabel_crossed(runs, {"h0": {}, "h1": {"h.0": 49}, "n0": {"h.0": 9}})
     assert moved == ["h1"] and [r["group"] for r in got] == ["healthy", "natural", "natural"]
     assert runs[1]["group"] == "healthy"
+
+
+def test_missed_crossings_show_the_value_five_and_ten_steps_before_by_hand():
+    """Layer h.0 climbs steadily and is warned 8 ahead (timely: not listed); h.1 sits flat at
+    exp(-2) of its line, then jumps past it at step 30 and is warned 2 ahead; h.2 doubles
+    from step 20 to 25 and crosses at 30, never warned: the table lists h.1 and h.2 with the
+    values by hand, and counts h.1 as flat."""
+    from stabilize.bench.forecast_tables import missed
+    from stabilize.monitors.forecast_score import RunScore
+
+    t = np.arange(40, dtype=np.float64)
+    h0 = -2.0 + (t - 1) * 2.0 / 30  # past the line (> 0) from t = 32: step 33
+    h1 = np.where(t >= 29, 0.1, -2.0)  # step s = t + 1: past the line from step 30
+    h2 = np.where(t >= 29, 0.1, np.where(t >= 20, -2.0 + np.log(2.0), -2.0))
+    run = {**_run([h0, h1, h2]), "name": "r"}
+    crossings = {"h.0": 33, "h.1": 30, "h.2": 30}
+    s = RunScore("r", "natural", 40, crossings, [("h.0", 25), ("h.1", 28)], 40, first=4)
+    text = missed([run], [s], 256.0, early=12)
+    e2 = float(np.exp(-2.0))
+    assert text.splitlines()[0].startswith("Missed crossings after step 12 (2; 1 of them")
+    assert f"| r | h.1 | 30 | {e2:.2f} | {e2:.2f} | 1.00x | 2 steps ahead |" in text
+    assert f"| r | h.2 | 30 | {e2:.2f} | {2 * e2:.2f} | 2.00x | none in the horizon |" in text
+    assert "h.0" not in text
