@@ -103,6 +103,9 @@ def test_missed_crossings_show_the_value_five_and_ten_steps_before_by_hand():
     text = missed([run], [s], 256.0, early=12)
     e2 = float(np.exp(-2.0))
     assert text.splitlines()[0].startswith("Missed crossings after step 12 (2; 1 of them")
-    assert f"| r | h.1 | 30 | {e2:.2f} | {e2:.2f} | 1.00x | 2 steps ahead |" in text
-    assert f"| r | h.2 | 30 | {e2:.2f} | {2 * e2:.2f} | 2.00x | none in the horizon |" in text
+    up = float(np.exp(0.1))  # past the line at c
+    assert (f"| r | h.1 | 30 | {e2:.2f} | {e2:.2f} | 1.00x | {up:.2f} | {up / e2:.2f}x | "
+            "2 steps ahead |") in text  # fmt: skip
+    assert (f"| r | h.2 | 30 | {e2:.2f} | {2 * e2:.2f} | 2.00x | {up:.2f} | "
+            f"{up / (2 * e2):.2f}x | none in the horizon |") in text  # fmt: skip
     assert "h.0" not in text

@@ -168,28 +168,29 @@ def missed(
     runs: list[dict], scores: list[RunScore], threshold: float, early: int, lead: int = 5
 ) -> str:
     """The warnable crossings after step ``early`` that no warning led by ``lead`` steps: per
-    miss, its value (float64, a fraction of its line) ``lead`` and ``2 lead`` steps before
-    the crossing, and the longest lead of its warnings within the horizon. A unit that had
+    miss, its value (float64, a fraction of its line) ``2 lead`` and ``lead`` steps before
+    the crossing and at it, and the longest lead of its warnings within the horizon. A unit that had
     not risen by the last step a timely warning could come (the value at c - lead no higher
     than at c - 2 lead) gave no series a 5-step lead could be read from."""
     truth = {r["name"]: truth_units(r, threshold) for r in runs}
-    rows = ["| run | unit | crossed at | value at c - 10 | at c - 5 | rise | first warning |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = ["| run | unit | crossed at (c) | value at c - 10 | at c - 5 | rise | at c | rise "
+            "| warned (longest lead) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     flat = n = 0
     for s in scores:
         tu = truth[s.name]
         for u in sorted(u for u in s.warnable if s.crossings[u] > early and u not in s.timely):
             c = s.crossings[u]
-            a, b = (tu.get(c - k, {}).get(u, (float("nan"),))[0] for k in (2 * lead, lead))
+            a, b, v = (tu.get(c - k, {}).get(u, (float("nan"),))[0] for k in (2 * lead, lead, 0))
             leads = [c - w for v, w in s.warnings if v == u and 0 < c - w <= s.horizon]
             n += 1
             flat += b <= a
             first = f"{max(leads)} steps ahead" if leads else "none in the horizon"
-            rows.append(f"| {s.name} | {u} | {c} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {first} |")
+            rows.append(f"| {s.name} | {u} | {c} | {a:.2f} | {b:.2f} | {b / a:.2f}x | {v:.2f} | "
+                        f"{v / b:.2f}x | {first} |")  # fmt: skip
     if not n:
         return f"Missed crossings after step {early}: none."
     return (f"Missed crossings after step {early} ({n}; {flat} of them no higher {lead} steps "
-            f"before crossing than {2 * lead} before, float64 values over the line):\n\n"
+            f"before crossing than {2 * lead} before; values: float64, over the line):\n\n"
             + "\n".join(rows))  # fmt: skip
 
 
