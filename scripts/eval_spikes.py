@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     p.add_argument("--save", type=Path, help="write the recorded runs here (JSON; runs already "
                    "in it are kept, not rerun)")  # fmt: skip
     p.add_argument("--load", type=Path, action="append", default=[],
-                   help="score runs recorded by --save (repeatable); no training")  # fmt: skip
+                   help="score runs recorded by --save (repeatable: a run in two "
+                   "files is scored once); no training")  # fmt: skip
     p.add_argument("--shard", default="0/1", metavar="I/N",
                    help="record every N-th run of the set from the I-th")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="the set's first natural and "
@@ -92,7 +93,11 @@ def main(argv=None) -> int:
         return 2
     t0 = time.time()
     if args.load:
-        runs = [r for f in args.load for r in json.loads(f.read_text())]
+        by_name = {}  # a run in two files (copies merged) is scored once
+        for f in args.load:
+            for r in json.loads(f.read_text()):
+                by_name.setdefault(r["name"], r)
+        runs = list(by_name.values())
     else:
         runs = json.loads(args.save.read_text()) if args.save and args.save.exists() else []
         done = {r["name"] for r in runs}
