@@ -171,6 +171,9 @@ def test_the_script_scores_recorded_runs_and_writes_its_block(tmp_path):
     text = doc.read_text()
     assert "STALE-BLOCK" not in text and "Unplanted loss spikes: r: steps 20." in text
     assert "Measured by `python scripts/eval_spikes.py --load" in text
+    twice = subprocess.run([*cmd, *cmd[-2:]], capture_output=True, text=True, check=True)
+    assert "; 2 runs" in twice.stdout  # a run in two files (copies merged) is scored once
+    assert "| natural | every step | 2 | 160 | 1 | 0 | 0 | 1 | 1.00 | 10.0 |" in twice.stdout
     bad = subprocess.run([*cmd, "--shard", "2/2"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "--shard '2/2': not I/N with 0 <= I < N"
 
