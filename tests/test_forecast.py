@@ -273,6 +273,30 @@ def test_a_steady_rate_equal_in_both_halves_but_for_rounding_is_not_damped():
     assert p.left == pytest.approx(-math.log(0.3 * 1.1**7) / math.log(1.1), rel=1e-9)
 
 
+def test_forecast_speedup_projects_a_rate_that_sped_up_at_its_recent_value_by_hand():
+    """Eight points whose log rises 0.05 a step, then 0.2 a step (the window's halves: four
+    and four, exact lines): the recent half's Theil-Sen slope is 0.2 and the older half's
+    0.05. Off (the default), the smaller of the window's slope and the recent half's is
+    projected, below 0.2; at 1.5 (0.2 > 1.5 x 0.05) the recent 0.2, so the central crossing
+    comes sooner; at 5 (0.2 < 5 x 0.05) the rule does not apply."""
+    y = [-3.0 + 0.05 * k for k in range(4)]
+    y += [y[-1] + 0.2 * (k + 1) for k in range(4)]
+
+    def last(speedup: float):
+        f = LineForecaster(ActivationConfig(forecast_speedup=speedup))
+        for x in y:
+            p = f.update({("x", "abs"): (math.exp(x), 1.0)}).get(("x", "abs"))
+        return p
+
+    off, on, high = last(0.0), last(1.5), last(5.0)
+    assert on.slope == pytest.approx(0.2, rel=1e-12) and off.slope < 0.2
+    assert high.slope == off.slope and on.left < off.left
+    from stabilize.validate import ConfigError
+
+    with pytest.raises(ConfigError, match=r"monitor\.activation\.forecast_speedup=-1"):
+        ActivationConfig(forecast_speedup=-1)
+
+
 def test_forecaster_state_round_trips_mid_series():
     v = series(30, 2.0, 1.2, 0.03)
     a, b = LineForecaster(users()), LineForecaster(users())

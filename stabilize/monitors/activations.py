@@ -59,6 +59,11 @@ class ActivationConfig:
     forecast_damped: bool = True
     """Project a slowing rate as slowing (a damped trend: the recent half-window's rate
     against the older half's), so early training's levelling-off is not extrapolated."""
+    forecast_speedup: float = 0.0
+    """Project a rate that has sped up: where the recent half-window's slope is more than
+    this many times the older half's (or the older half fell), the recent one is used (0:
+    off: the smaller of the window's slope and the recent half's, as early training's first
+    rise mostly levels off). Not a default: docs/forecast.md has its trade-off."""
     forecast_slow_steps: float = 6.0
     """The warning gives two distances: ~N x (1 + this / step), as natural growth slows (the
     one it leads with, the event's value), and ~N steps at the current rate (the projection):
@@ -99,6 +104,7 @@ class ActivationConfig:
         check_positive("monitor.activation.forecast_reach", self.forecast_reach)
         check_range("monitor.activation.forecast_climb", self.forecast_climb, 0.0, 100.0)
         check_range("monitor.activation.forecast_slow_steps", self.forecast_slow_steps, 0.0, 1e6)
+        check_range("monitor.activation.forecast_speedup", self.forecast_speedup, 0.0, 100.0)
         check_positive("monitor.activation.forecast_confirm", self.forecast_confirm, integer=True)
         check_range("monitor.activation.forecast_rate_noise", self.forecast_rate_noise, 0.0, 100.0)
         check_range("monitor.activation.forecast_within", self.forecast_within, 0.0, 1e6)

@@ -29,7 +29,9 @@ step (the values are already on the host; a few small numpy calls for all units 
 - reach: no crossing is warned further ahead than ``reach`` x the steps seen so far (a
   projection reaches at most twice as far as its data by default): the first points of a
   run rise fast and mostly level off (eval: every early false warning came at steps 4-7);
-- deceleration: the slope used is the smaller of the window's and its recent half's, and
+- deceleration: the slope used is the smaller of the window's and its recent half's
+  (``forecast_speedup``, off by default: the recent half's where it is that many times the
+  older half's), and
   (``damped``) the rate is projected to keep decaying as it did from the older half to the
   recent one (a damped trend), so early training's levelling-off is not extrapolated.
 
@@ -161,11 +163,12 @@ class LineForecaster:
     def __init__(self, c: ActivationConfig):
         """Built from ``monitor.activation``'s forecast settings: ``horizon``, ``window``,
         ``forecast_start`` (at least 3 and at most ``window`` points), ``forecast_z``,
-        ``noise_window``, ``forecast_damped``, ``forecast_reach``, ``forecast_rate_noise``
-        and ``forecast_climb``."""
+        ``noise_window``, ``forecast_damped``, ``forecast_reach``, ``forecast_rate_noise``,
+        ``forecast_climb`` and ``forecast_speedup``."""
         self.horizon, self.window, self.z = c.horizon, c.window, c.forecast_z
         self.damped, self.reach = c.forecast_damped, c.forecast_reach
         self.rate_noise, self.climb = c.forecast_rate_noise, c.forecast_climb
+        self.speedup = c.forecast_speedup
         self.min_points = max(3, min(c.forecast_start, c.window))
         self.noise_window, self.min_sigma = c.noise_window, MIN_SIGMA
         self.hist: dict[Unit, deque[float]] = {}
@@ -202,6 +205,8 @@ class LineForecaster:
             else:
                 old = new = slope
             s_all = np.minimum(slope, new)
+            if self.speedup > 0:  # a rate that sped up is projected at its recent value
+                s_all = np.where((new > 0) & (new > self.speedup * old), new, s_all)
             # the level now: the fit's median intercept, read at the last point (all units of
             # the group in one call: a median per unit was most of the refit's time)
             levels = np.median(y - s_all[:, None] * np.arange(n), axis=1) + s_all * (n - 1)
