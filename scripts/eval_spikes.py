@@ -1,7 +1,8 @@
 """Score the spike forecast (``monitor.curvature.forecast``) on a labelled set of real runs.
 
     python scripts/eval_spikes.py [--save runs.json | --load runs.json ...] [--shard I/N]
-                                  [--quick] [--horizon 40] [--doc docs/forecast.md]
+                                  [--quick] [--holdout] [--past-line] [--horizon 40]
+                                  [--doc docs/forecast.md [--doc-block NAME]]
 
 The set, the labels and the scoring: stabilize/bench/spike_eval.py. Each run is trained in
 this process with every step logged and the curvature measured on every step; its per-step
@@ -11,7 +12,8 @@ the warnings the live run would have logged. ``--save`` keeps every finished run
 interrupted set resumes from it); ``--shard I/N`` records every N-th run from the I-th (two
 processes, one per core); ``--load`` (repeatable) scores recorded runs without training.
 ``--doc`` writes the tables into the doc between its ``<!-- eval_spikes:begin/end -->``
-markers.
+markers (``--doc-block NAME``: another block). ``--past-line`` scores the forecast with
+``monitor.curvature.past_line`` on; ``--holdout`` records the held-out set instead.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import lightning as L
 
 from stabilize.bench.docblock import commit, cpu, write_block
-from stabilize.bench.spike_eval import BASE, report, spike_set
+from stabilize.bench.spike_eval import BASE, holdout, report, spike_set
 
 
 class Recorder(L.Callback):
@@ -85,6 +87,23 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="the set's first natural and "
                    "healthy runs, 12 steps each (a smoke run)")  # fmt: skip
     p.add_argument("--horizon", type=int, default=40, help="the forecast's horizon (steps)")
+    p.add_argument(
+        "--holdout",
+        action="store_true",
+        help="record the held-out set instead "
+        "(spike_eval.holdout: recorded after the past-line rule, scored after)",
+    )
+    p.add_argument(
+        "--past-line",
+        action="store_true",
+        help="score with monitor.curvature.past_line=true (a point past its line is warned too)",
+    )
+    p.add_argument(
+        "--doc-block",
+        default="eval_spikes",
+        metavar="NAME",
+        help="the doc's block to write (<!-- NAME:begin/end -->)",
+    )
     p.add_argument("--doc", type=Path, help="also write the tables into this doc")
     args = p.parse_args(argv)
     i, _, n = args.shard.partition("/")
@@ -101,7 +120,7 @@ def main(argv=None) -> int:
     else:
         runs = json.loads(args.save.read_text()) if args.save and args.save.exists() else []
         done = {r["name"] for r in runs}
-        plan = spike_set()[int(i) :: int(n)]
+        plan = (holdout() if args.holdout else spike_set())[int(i) :: int(n)]
         if args.quick:
             plan = [(g, f"{name}-quick", [*(o for o in ov if not o.startswith(
                 "trainer.max_steps=")), "trainer.max_steps=12"])
@@ -115,8 +134,9 @@ def main(argv=None) -> int:
                 runs.append(record(group, name, ov, Path(tmp)))
                 if args.save:
                     args.save.write_text(json.dumps(runs))
-    text = (f"spike forecast: monitor.curvature.forecast, horizon {args.horizon} steps; "
-            f"{len(runs)} runs\n\n" + report(runs, args.horizon))  # fmt: skip
+    rule = ", past_line=true" if args.past_line else ""
+    text = (f"spike forecast: monitor.curvature.forecast{rule}, horizon {args.horizon} steps; "
+            f"{len(runs)} runs\n\n" + report(runs, args.horizon, args.past_line))  # fmt: skip
     print(text)
     if args.doc:
         cmd = "python scripts/eval_spikes.py " + " ".join(
@@ -124,7 +144,7 @@ def main(argv=None) -> int:
         )
         body = (f"Measured by `{cmd.strip()}` at commit {commit()}, on {cpu()}. Written by the "
                 "script: do not edit by hand.\n\n" + text)  # fmt: skip
-        return write_block(args.doc, "eval_spikes", body, "eval_spikes.py")
+        return write_block(args.doc, args.doc_block, body, "eval_spikes.py")
     return 0
 
 

@@ -77,6 +77,22 @@ def test_off_by_default_non_positive_quotients_are_not_points_and_the_state_roun
     assert [e.step for e in feed(b, series[5:])] == [7]
 
 
+def test_past_line_warns_of_one_point_past_its_line_once_per_horizon():
+    """A quotient at 0.01 of Adam's line with one point at 1.5x (step 18), another at 1.2x
+    within the horizon (step 30) and a third after it (step 70): off (the default), the
+    trend forecaster's robust level does not move for one point and nothing is warned; on,
+    steps 18 and 70, the event naming the line and the factor."""
+    series = [stats(k, 0.01 * (1 + 0.01 * (k % 3))) for k in range(1, 90)]
+    for k, r in ((18, 1.5), (30, 1.2), (70, 1.5)):
+        series[k - 1] = stats(k, r)
+    assert feed(CurvatureMonitor(CurvatureConfig(every=1, forecast=True)), series) == []
+    on = CurvatureMonitor(CurvatureConfig(every=1, forecast=True, past_line=True))
+    events = feed(on, series)
+    assert [(e.step, e.layer) for e in events] == [(18, "preconditioned"), (70, "preconditioned")]
+    assert "is past Adam's line" in events[0].message and "(x1.50)" in events[0].message
+    assert events[0].extra["past_line"] is True
+
+
 def test_bad_settings_are_refused_in_one_line_naming_the_key_and_value():
     from stabilize.validate import ConfigError
 

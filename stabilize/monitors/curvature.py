@@ -53,6 +53,11 @@ class CurvatureConfig:
     steps (module docstring; off: its measured precision, docs/forecast.md)."""
     horizon: int = 40
     """The forecast's horizon, in steps."""
+    past_line: bool = False
+    """With ``forecast``: also warn when a quotient is measured at or past its line (Bai et
+    al.'s condition itself, read off one point: the trend forecaster's robust level does
+    not move for one point), once per ``horizon`` per quotient like the forecast's
+    warnings. Off by default: docs/forecast.md has its measured precision."""
 
     def __post_init__(self):
         check_count("monitor.curvature.every", self.every)
@@ -108,16 +113,34 @@ class CurvatureMonitor:
         }
         events = []
         projections = self.forecaster.update(values)  # the history grows either way
-        for (unit, _), p in projections.items() if points >= 1 else ():
-            value, line = values[(unit, "line")]
-            if not value < line or p.level >= 0 or not p.significant:
+        for (unit, _), (value, line) in values.items():
+            p = projections.get((unit, "line"))
+            past = self.c.past_line and not value < line
+            if not past and (points < 1 or p is None or not value < line or p.level >= 0
+                             or not p.significant):  # fmt: skip
                 continue  # past its line (that is a measurement, not a forecast), or no rise
             warned = self.warned.get(unit)
             if warned is not None and step - warned < self.horizon:
                 continue
             self.warned[unit] = step
-            events.append(self._event(step, unit, value, line, p))
+            events.append(self._past(step, unit, value, line) if past
+                          else self._event(step, unit, value, line, p))  # fmt: skip
         return events
+
+    def _past(self, step: int, unit: str, value: float, line: float) -> Event:
+        what = next(w for _, _, u, w in UNITS if u == unit)
+        return Event(
+            WARN,
+            "curvature",
+            step,
+            f"{unit} curvature along the update {value:.4g} is past {what} = {line:.4g} "
+            f"(x{value / line:.2f}): a loss spike may follow within {self.horizon} steps "
+            "(docs/forecast.md has this warning's measured precision)",
+            layer=unit,
+            value=0.0,
+            threshold=float(self.horizon),
+            extra={"line": line, "past_line": True},
+        )
 
     def _event(self, step: int, unit: str, value: float, line: float, p) -> Event:
         what = next(w for _, _, u, w in UNITS if u == unit)
