@@ -113,7 +113,7 @@ def spike_set() -> list[tuple[str, str, list[str]]]:
 # in ~1,500 steps), a constant LR, no weight decay, beta2 0.999, clipping off: the regime of
 # the "slingshot" spikes (Thilak et al. 2206.04817: Adam's late-training loss spikes once the
 # gradients have shrunk and the second moment decayed with them). Found by two exploratory
-# runs without the curvature pass at 29a062e, seed 1234 (the default): at LR 3e-3 the loss
+# runs without the curvature pass at 1570752, seed 1234 (the default): at LR 3e-3 the loss
 # went 0.006 -> 8.1 at step 2,549 and came back to 0.016 by step 2,975; at LR 1e-3 no spike
 # by the monitor's rule.
 MEMORIZE = ["data.max_chars=4000", "optim.weight_decay=0", "optim.schedule=constant"]
