@@ -171,7 +171,7 @@ def missed(
     miss, its value (float64, a fraction of its line) ``2 lead`` and ``lead`` steps before
     the crossing and at it, and the longest lead of its warnings within the horizon. A unit that had
     not risen by the last step a timely warning could come (the value at c - lead no higher
-    than at c - 2 lead) gave no series a 5-step lead could be read from."""
+    than at c - 2 lead) gave no series a ``lead``-step lead could be read from."""
     truth = {r["name"]: truth_units(r, threshold) for r in runs}
     rows = ["| run | unit | crossed at (c) | value at c - 10 | at c - 5 | rise | at c | rise "
             "| warned (longest lead) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -181,7 +181,7 @@ def missed(
         for u in sorted(u for u in s.warnable if s.crossings[u] > early and u not in s.timely):
             c = s.crossings[u]
             a, b, v = (tu.get(c - k, {}).get(u, (float("nan"),))[0] for k in (2 * lead, lead, 0))
-            leads = [c - w for v, w in s.warnings if v == u and 0 < c - w <= s.horizon]
+            leads = [c - w for x, w in s.warnings if x == u and 0 < c - w <= s.horizon]
             n += 1
             flat += b <= a
             first = f"{max(leads)} steps ahead" if leads else "none in the horizon"
