@@ -14,8 +14,10 @@ from stabilize.monitors import (
     WARN,
     ActivationConfig,
     ActivationMonitor,
+    GradSpikeConfig,
     LossScaleConfig,
     LossScaleMonitor,
+    LossSpikeConfig,
     MonitorConfig,
     MonitorSuite,
     NonFiniteMonitor,
@@ -44,8 +46,9 @@ def test_spike_detector_quiet_on_noise_fires_on_a_spike():
     assert not any(d.update(s, float(v)) for s, v in enumerate(series))
     ev = d.update(200, 20.0)  # 10x the level
     assert len(ev) == 1 and ev[0].kind == ROLLBACK and ev[0].extra["z"] > 6
-    assert 20.0 not in d.values  # the spike does not enter the window it is judged against
+    assert d.values[-1] == 20.0  # judged first, then in the window: the last 50 steps
     assert d.update(201, 2.01) == []
+    assert d.update(202, 20.0)  # one spike in the window does not hide the next
 
 
 def test_spike_detector_warmup_nonfinite_and_state():
@@ -67,7 +70,8 @@ def test_spike_detector_warmup_nonfinite_and_state():
 def test_spike_detector_matches_a_direct_median_mad_rule_on_a_heavy_tailed_series():
     """The sorted window and the ratio-first short cut change the cost, not the verdicts:
     every step is checked against the rule written out with statistics.median over the
-    window as it stands (duplicates, evictions, spikes kept out, a state round trip)."""
+    window as it stands (duplicates, evictions, spikes entering after their verdict, a state
+    round trip)."""
     import statistics
     from collections import deque
 
@@ -91,10 +95,26 @@ def test_spike_detector_matches_a_direct_median_mad_rule_on_a_heavy_tailed_serie
         assert bool(d.update(step, v)) == expect, step
         assert d.median() == statistics.median(d.values) if d.values else True
         fired += expect
-        if not expect:
-            window.append(v)
+        window.append(v)
     assert list(d.values) == list(window)
     assert 20 < fired < 120  # the planted spikes, not every step and not none
+
+
+@pytest.mark.parametrize(("cls", "flagged"), [(GradSpikeConfig, 20), (LossSpikeConfig, 21)])
+def test_a_lasting_level_shift_becomes_the_baseline_once_it_fills_half_the_window(cls, flagged):
+    """A level that jumps 2 -> 10 and stays (noise 0.05) is flagged until the new level
+    holds half the window, by hand for a window of 40: with k shifted values in it the
+    median is the old level for k <= 19 (its MAD too: a spike), the mean of the two levels,
+    6, at k = 20, and the new level from k = 21 (z < 1). At k = 20, 10 > 1.5 x 6 and the
+    sigma of the window's MAD (~4 x 1.4826) puts it under 1 sigma; the trend-robust sigma,
+    from successive differences (one jump of 8, the rest noise), puts it at ~60: flagged
+    once more. Before, a flagged value never entered the window and all 100 steps of the
+    new level were judged against the old median."""
+    d = SpikeDetector(cls(window=40, warmup=15, threshold=6.0, min_ratio=1.5))
+    series = np.concatenate([noisy(100, seed=1), noisy(100, seed=2, level=10.0)])
+    events = [s for s, v in enumerate(series.tolist()) if d.update(s, v)]
+    assert events == list(range(100, 100 + flagged))
+    assert d.median() == pytest.approx(10.0, abs=0.1)
 
 
 def test_spike_score_over_a_flat_window_is_finite_and_the_verdict_still_holds():

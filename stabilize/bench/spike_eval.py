@@ -18,8 +18,9 @@ recorded.
 
 **Ground truth** comes from the training loss alone, never from the series forecast on: the
 loss-spike monitor's own detector (monitors/spikes.py: the median of its window, the trend-
-robust sigma of successive differences, floored at 1% of the median; a spike never enters
-the window it is judged against), run on the recorded losses with milder settings
+robust sigma of successive differences, floored at 1% of the median; a flagged value never
+enters the window, ``LabelDetector``: the rule every block was scored with, kept when the
+monitor's changed to let it in after its verdict), run on the recorded losses with milder settings
 (``LABEL``: 1.1x the median and 6 sigma over the last 20 steps) so that smaller spikes
 count, from step ``FIRST`` on; a new spike needs ``GAP`` steps without a labelled one. The
 monitor at its own defaults (1.5x, 8 sigma over 100 steps) is counted beside it. A spike at
@@ -133,11 +134,19 @@ def holdout() -> list[tuple[str, str, list[str]]]:
     return [memorized(3e-3, seed, 150, "holdout", "mem150") for seed in range(20, 32)]
 
 
+class LabelDetector(SpikeDetector):
+    """The labels' detector: a flagged value stays out of its window (a lasting level shift
+    is one long run of flags, one spike), as the monitors' did when every block of
+    docs/forecast.md was scored."""
+
+    enter_flagged = False
+
+
 def detected(steps: list[dict], series: str, cfg: SpikeConfig) -> list[int]:
-    """The steps where a ``SpikeDetector`` with ``cfg`` fires on the recorded ``series``
+    """The steps where a ``LabelDetector`` with ``cfg`` fires on the recorded ``series``
     (``loss``, ``grad_norm``), the first of each run of them (a new one after ``GAP`` quiet
     steps), from step ``FIRST`` on."""
-    det = SpikeDetector(cfg)
+    det = LabelDetector(cfg)
     out: list[int] = []
     last = -math.inf
     for d in steps:
@@ -198,7 +207,8 @@ def score(
     run: dict, cadence: int, horizon: int, truth: str = "loss", past_line: bool = False
 ) -> SpikeScore:
     """``truth``: ``loss`` (loss spikes, ``LABEL``) or ``grad`` (``monitor.grad_spike``'s
-    detector at its defaults: 4x the median and 8 robust sigmas over 100 steps, after 50)."""
+    thresholds at their defaults: 4x the median and 8 robust sigmas over 100 steps, after
+    50; a ``LabelDetector``'s)."""
     steps = run["steps"]
     fault = run.get("fault_step")
     if truth == "grad":
@@ -289,7 +299,8 @@ def report(runs: list[dict], horizon: int, past_line: bool = False) -> str:
     out += (
         "\n\nAgainst gradient-norm spikes instead (`monitor.grad_spike`'s detector at its "
         "defaults, 4x the median and 8 robust sigmas, on the recorded pre-clip norms; the "
-        "monitor's own rule is the spikes' rule here):\n\n" + grad
+        "monitor's own thresholds are the spikes' rule here, a flagged value kept out of the "
+        "window as in every label):\n\n" + grad
     )
     pts = [POINTS_HEAD, "|" + "---|" * POINTS_HEAD.count(" | ") + "---|"]
     for g in GROUPS:

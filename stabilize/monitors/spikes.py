@@ -1,8 +1,14 @@
 """Robust spike detection for a scalar series (loss, grad norm).
 
 Median and MAD over a rolling window: one outlier moves neither, unlike mean and std
-(a 100x spike inflates the std it is judged against). Non-finite values never enter the
-window: they are the NaN monitor's business, and one inf would poison every later median.
+(a 100x spike inflates the std it is judged against). A value is judged against the window
+before it enters it, and then enters it whatever the verdict, so the window is always the
+last ``window`` finite values and an event's "median of the last N steps" is that. A spike
+kept out for good (as before) froze the baseline: after a lasting level shift (a memorizing
+run's loss 0.006 -> 8.1, still 0.1-1 for 400 steps) every later step was judged against the
+pre-shift median, 451 verdicts for one spike; now a lasting shift is the baseline once it
+fills half the window. Non-finite values never enter the window: they are the NaN monitor's
+business, and one inf would poison every later median.
 A value is a spike when (value - median) / (1.4826 * MAD) > threshold, 1.4826 making the
 MAD a consistent estimate of sigma for Gaussian noise; and only above the median (a
 sudden drop in loss is not a fault).
@@ -43,6 +49,11 @@ ABS_FLOOR = 1e-6  # ... and >= 1e-6: a window of zeros still gives a finite scor
 
 
 class SpikeDetector:
+    enter_flagged: ClassVar[bool] = True
+    """A flagged value enters the window after its verdict (module docstring); False keeps
+    it out for good, the rule before (the spike evaluation's labels keep it: their
+    definition does not move with the monitor's)."""
+
     def __init__(self, c: SpikeConfig, name: str | None = None):
         """Built from a spike section's settings (``GradSpikeConfig``, ``LossSpikeConfig``:
         ``window``, ``warmup``, ``threshold``, ``min_ratio``, ``action``, and the class's
@@ -116,8 +127,9 @@ class SpikeDetector:
                         extra={"median": med, "z": z, "sigma": sigma, "floored": floored},
                     )
                 )
-                return events  # a spike does not enter the window it is judged against
-        self._append(value)
+                if not self.enter_flagged:
+                    return events
+        self._append(value)  # judged first, then part of the last ``window`` steps
         return events
 
     def state_dict(self) -> dict:
