@@ -1,7 +1,7 @@
 """Score the spike forecast (``monitor.curvature.forecast``) on a labelled set of real runs.
 
     python scripts/eval_spikes.py [--save runs.json | --load runs.json ...] [--shard I/N]
-                                  [--quick] [--holdout] [--past-line] [--horizon 40]
+                                  [--quick] [--holdout] [--past-line] [--reach] [--horizon 40]
                                   [--doc docs/forecast.md [--doc-block NAME]]
 
 The set, the labels and the scoring: stabilize/bench/spike_eval.py. Each run is trained in
@@ -13,7 +13,9 @@ interrupted set resumes from it); ``--shard I/N`` records every N-th run from th
 processes, one per core); ``--load`` (repeatable) scores recorded runs without training.
 ``--doc`` writes the tables into the doc between its ``<!-- eval_spikes:begin/end -->``
 markers (``--doc-block NAME``: another block). ``--past-line`` scores the forecast with
-``monitor.curvature.past_line`` on; ``--holdout`` records the held-out set instead.
+``monitor.curvature.past_line`` on; ``--holdout`` records the held-out set instead;
+``--reach`` scores, instead of the forecast, what threshold rules chosen on the set itself
+reach (spike_reach.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import lightning as L
 
 from stabilize.bench.docblock import commit, cpu, write_block
 from stabilize.bench.spike_eval import BASE, holdout, report, spike_set
+from stabilize.bench.spike_reach import reach
 
 
 class Recorder(L.Callback):
@@ -104,6 +107,12 @@ def main(argv=None) -> int:
         metavar="NAME",
         help="the doc's block to write (<!-- NAME:begin/end -->)",
     )
+    p.add_argument(
+        "--reach",
+        action="store_true",
+        help="instead of the forecast's tables: what threshold rules on the optimizer-state "
+        "series reach, chosen on the set itself (stabilize/bench/spike_reach.py)",
+    )
     p.add_argument("--doc", type=Path, help="also write the tables into this doc")
     args = p.parse_args(argv)
     i, _, n = args.shard.partition("/")
@@ -135,8 +144,11 @@ def main(argv=None) -> int:
                 if args.save:
                     args.save.write_text(json.dumps(runs))
     rule = ", past_line=true" if args.past_line else ""
-    text = (f"spike forecast: monitor.curvature.forecast{rule}, horizon {args.horizon} steps; "
-            f"{len(runs)} runs\n\n" + report(runs, args.horizon, args.past_line))  # fmt: skip
+    if args.reach:
+        text = reach(runs, args.horizon)
+    else:
+        head = f"spike forecast: monitor.curvature.forecast{rule}, horizon {args.horizon} steps"
+        text = f"{head}; {len(runs)} runs\n\n" + report(runs, args.horizon, args.past_line)
     print(text)
     if args.doc:
         cmd = "python scripts/eval_spikes.py " + " ".join(
