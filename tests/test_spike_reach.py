@@ -24,9 +24,17 @@ def test_a_threshold_rule_warns_once_per_horizon_and_is_scored_by_hand():
     # undetermined (48 + 40 > 59, its last step); calm's 8 and 48 false, 88 undetermined:
     # precision 1 / 3, 2 false warnings in 160 steps = 12.5 per 1,000
     rows = [(r, [20], [8, 48]), (calm, [], [8, 48, 88])]
-    assert R.metrics(rows, 40) == [5, "1.00", "1.00", "1.00", "0.33", "12.5"]
+    assert R.metrics(rows, 40) == [5, "2: 8-8", "1.00", "1.00", "1.00", "0.33", "12.5"]
     # a warning 4 steps ahead counts at leads 1 and 3, not at 5
-    assert R.metrics([(r, [20], [16])], 40) == [1, "1.00", "1.00", "0.00", "1.00", "0.0"]
+    assert R.metrics([(r, [20], [16])], 40) == [
+        1,
+        "1: 16-16",
+        "1.00",
+        "1.00",
+        "0.00",
+        "1.00",
+        "0.0",
+    ]
 
 
 def test_chance_level_and_percentiles_by_hand():
@@ -40,12 +48,20 @@ def test_the_table_names_its_rules_and_the_chance_row_matches_the_hand_count():
     text = R.reach(runs, 40)
     # always: r's warnings at 0 (true: the spike 20 steps on) and 40 (undetermined), calm's
     # at 0 and 40 (false) and 80 (undetermined): the same counts as above
-    assert "| always (once per horizon) | - | 5 | 1.00 | 1.00 | 1.00 | 0.33 | 12.5 |" in text
+    assert (
+        "| always (once per horizon) | - | 5 | 2: 0-0 | 1.00 | 1.00 | 1.00 | 0.33 | 12.5 |" in text
+    )
     # the monitor's own forecast warns r at 10 and calm at 10 (run_dict's design), the
     # latter false: precision 0.50, 1 false in 160 steps
-    assert "| trend forecast (the monitor's) | - | 2 | 1.00 | 1.00 | 1.00 | 0.50 | 6.2 |" in text
+    assert (
+        "| trend forecast (the monitor's) | - | 2 | 2: 10-10 | 1.00 | 1.00 | 1.00 | 0.50 | 6.2 |"
+        in text
+    )
     # the clock at 10 warns as the forecast does; at 20, the spike's own step (no lead) in r
     # (undetermined: 20 + 40 > 59) and a false warning in calm
-    assert "| clock: step 10 only | - | 2 | 1.00 | 1.00 | 1.00 | 0.50 | 6.2 |" in text
-    assert "| clock: step 20 only | - | 2 | 0.00 | 0.00 | 0.00 | 0.00 | 6.2 |" in text
+    assert "| clock: step 10 only | - | 2 | 2: 10-10 | 1.00 | 1.00 | 1.00 | 0.50 | 6.2 |" in text
+    assert "| clock: step 20 only | - | 2 | 2: 20-20 | 0.00 | 0.00 | 0.00 | 0.00 | 6.2 |" in text
     assert "2 runs (1 unplanted loss spikes" in text and "(p99)" in text
+    # under the table, at the highest threshold: the run with a spike, its spike, its warnings
+    # (the quotient's 99th percentile over both runs is first met at calm's steps past 59)
+    assert "- curv_pre / Adam's line (p99): r [20]: -" in text

@@ -81,7 +81,8 @@ def every(steps: list[dict], horizon: int) -> list[int]:
 
 def metrics(runs: list[tuple[dict, list[int], list[int]]], horizon: int) -> list:
     """``runs``: (run, its unplanted spikes, a rule's warning steps) -> the row's cells after
-    its name: warnings, recall at each lead of ``LEADS``, precision, false per 1k steps."""
+    its name: warnings, the runs warned and the range of their first warnings' steps,
+    recall at each lead of ``LEADS``, precision, false per 1k steps."""
     spikes = [(sp, ws) for _, sps, ws in runs for sp in sps]
     recall = [
         fmt(_div(sum(any(lead <= s - w <= horizon for w in ws) for s, ws in spikes), len(spikes)))
@@ -97,11 +98,13 @@ def metrics(runs: list[tuple[dict, list[int], list[int]]], horizon: int) -> list
                 false += 1
     steps = sum(len(r["steps"]) for r, _, _ in runs)
     n = sum(len(ws) for _, _, ws in runs)
-    return [n, *recall, fmt(_div(true, true + false)), fmt(_div(1000 * false, steps), ".1f")]
+    first = [ws[0] for _, _, ws in runs if ws]
+    when = f"{len(first)}: {min(first)}-{max(first)}" if first else "0"
+    return [n, when, *recall, fmt(_div(true, true + false)), fmt(_div(1000 * false, steps), ".1f")]
 
 
 HEAD = (
-    "| rule | threshold | warnings | "
+    "| rule | threshold | warnings | runs warned: their first warning's steps | "
     + " | ".join(f"recall, warned >= {k} ahead" for k in LEADS)
     + " | precision | false warnings / 1k steps |"
 )
@@ -125,6 +128,7 @@ def reach(runs: list[dict], horizon: int) -> str:
         )
     add("trend forecast (the monitor's)", "-", [sorted({w for w, _ in s.warned}) for s in scored])
     add("trend forecast + past_line", "-", [sorted({w for w, _ in s.warned}) for s in fore])
+    near = []  # at the highest threshold: each spike's run, its spikes and its warnings
     for name, value in SERIES:
         vals = [v for r in runs for d in r["steps"] if (v := value(d["opt"])) is not None]
         vals = [v for v in vals if math.isfinite(v)]
@@ -132,9 +136,19 @@ def reach(runs: list[dict], horizon: int) -> str:
             theta = percentile(vals, p)
             warned = [threshold_warnings(r["steps"], value, theta, horizon) for r in runs]
             add(name, f"{theta:.3g} (p{p})", warned)
+        if vals:
+            runs_ = [
+                f"{s.name} {s.spikes}: {ws or '-'}"
+                for s, ws in zip(scored, warned, strict=True)
+                if s.spikes
+            ]
+            near.append(f"- {name} (p{PERCENTILES[-1]}): " + "; ".join(runs_))
     n = sum(len(s.spikes) for s in scored)
     return (
         f"What a warning can reach on these {len(runs)} runs ({n} unplanted loss spikes, "
         f"horizon {horizon} steps; thresholds chosen on the set itself, so each threshold "
-        "row is an upper bound for its rule, not an out-of-sample figure):\n\n" + "\n".join(lines)
+        "row is an upper bound for its rule, not an out-of-sample figure):\n\n"
+        + "\n".join(lines)
+        + "\n\nAt each series' highest threshold, the runs with a spike: their spikes' steps "
+        "and the rule's warnings:\n\n" + "\n".join(near)
     )
