@@ -271,8 +271,9 @@ def absmax_into(x: torch.Tensor, out: torch.Tensor, k: int) -> None:
     """``out[k] = max(out[k], |x| max)`` in place, NaN if either is NaN (else inf if x holds
     one): one read of x, no allocation, no host sync. The kernel on CPU (fp32/bf16/fp16,
     contiguous, eager, once built: this never builds it); elsewhere (CUDA, torch.compile's
-    tracing, no compiler, not built yet) torch ops, ``max(max x, -min x)``, which on CPU is
-    6-13x faster than ``vector_norm(ord=inf)``."""
+    tracing, no compiler, not built yet) torch ops: ``max(max x, -min x)`` from one
+    ``aminmax`` pass (one read of x where ``amax`` and ``amin`` were two; on CPU
+    ``max(amax, -amin)`` was 6-13x faster than ``vector_norm(ord=inf)``)."""
     if (
         x.is_cpu
         and out.is_cpu
@@ -284,15 +285,18 @@ def absmax_into(x: torch.Tensor, out: torch.Tensor, k: int) -> None:
         ext.absmax_into(x, out, k)  # reads data pointers, no autograd record; checks out
         return
     with torch.no_grad():
-        v = torch.maximum(x.amax(), -x.amin()).to(out.dtype)
-        out[k] = torch.maximum(out[k], v)
+        lo, hi = torch.aminmax(x)
+        out[k] = torch.maximum(out[k], torch.maximum(hi, -lo).to(out.dtype))
 
 
 def head_norm_max(x: torch.Tensor) -> torch.Tensor:
     """Per head, the largest row norm of ``x`` [B, H, T, D] over batch and positions ([H],
     fp32, NaN if any row is): the attention bound's q / k pass. The kernel on CPU (any
     strides but a dense last dim, fp32/bf16/fp16, eager, once built: this never builds it)
-    reads x once, a strided view included; elsewhere ``vector_norm(x.float()).amax``."""
+    reads x once, a strided view included; elsewhere ``vector_norm(x, dtype=fp32).amax``,
+    which accumulates a 16-bit x in fp32 without an fp32 copy of it (torch's CUDA norm
+    kernel casts and reduces in one pass; a float64 x is cast first: the op refuses to
+    narrow)."""
     if (
         x.is_cpu
         and x.dim() == 4
@@ -302,7 +306,9 @@ def head_norm_max(x: torch.Tensor) -> torch.Tensor:
         and (ext := ready(start=False)) is not None
     ):
         return ext.head_norm_max(x)
-    return torch.linalg.vector_norm(x.float(), dim=-1).amax(dim=(0, 2))
+    if x.dtype == torch.float64:
+        x = x.float()
+    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).amax(dim=(0, 2))
 
 
 def fused_rms_norm(kind, x, weight, eps, act):

@@ -461,3 +461,27 @@ def test_head_norm_max_falls_back_to_torch_ops_without_the_kernel(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_loaded", [None])  # as if the build had failed
     y = x.float()
     torch.testing.assert_close(cpu_kernels.head_norm_max(y).double(), expect, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_fallbacks_read_16_bit_inputs_in_place_and_match_float64(monkeypatch, dtype):
+    """What CUDA runs: ``aminmax`` (one pass) for |x| max, and the q / k norm accumulated in
+    fp32 from the 16-bit tensor itself (``vector_norm``'s ``dtype``), on a strided view,
+    against float64; NaN still wins in its head."""
+    monkeypatch.setattr(cpu_kernels, "_loaded", [None])  # as if the build had failed
+    g = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(4, 13, 3 * 3 * 16, generator=g) * 40).to(dtype)
+    q = qkv[..., : 3 * 16].view(4, 13, 3, 16).transpose(1, 2)  # [B, H, T, d], strided
+    q[2, 1, 5, 7] = -900.0
+    expect = q.double().square().sum(-1).sqrt().amax(dim=(0, 2))
+    got = cpu_kernels.head_norm_max(q)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expect, rtol=1e-6, atol=0)
+    # the bits of the old path, which made an fp32 copy first (on CPU: not measured on CUDA)
+    assert torch.equal(got, torch.linalg.vector_norm(q.float(), dim=-1).amax(dim=(0, 2)))
+    out = torch.tensor([0.0])
+    cpu_kernels.absmax_into(q, out, 0)
+    assert out.item() == q.double().abs().max().item() == 900.0
+    q[0, 2, 0, 0] = float("nan")
+    nan = cpu_kernels.head_norm_max(q)
+    assert math.isnan(nan[2].item()) and not nan[:2].isnan().any()
