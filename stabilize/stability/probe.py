@@ -299,7 +299,8 @@ class StabilityProbe:
             absmax_into(x, buf, self._o_norm + j)
             return
         with torch.no_grad():
-            rowmax = torch.maximum(x.amax(-1), -x.amin(-1))  # [...]; NaN propagates
+            lo, hi = torch.aminmax(x, dim=-1)  # one read of x
+            rowmax = torch.maximum(hi, -lo)  # [...]; NaN propagates
             bad = torch.isinf(ms.squeeze(-1))
             # |x| max is monotone under the cast: a row is finite in the reduction dtype iff
             # its largest |x_i| is (NaN stays NaN)
