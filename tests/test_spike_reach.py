@@ -62,9 +62,13 @@ def test_the_table_names_its_rules_and_the_chance_row_matches_the_hand_count():
     assert "| clock: step 10 only | - | 2 | 2: 10-10 | 1.00 | 1.00 | 1.00 | 0.50 | 6.2 |" in text
     assert "| clock: step 20 only | - | 2 | 2: 20-20 | 0.00 | 0.00 | 0.00 | 0.00 | 6.2 |" in text
     assert "2 runs (1 unplanted loss spikes" in text and "(p99)" in text
-    # under the table, at the highest threshold: the run with a spike, its spike, its warnings
-    # (the quotient's 99th percentile over both runs is first met at calm's steps past 59)
-    assert "- curv_pre / Adam's line (p99): r [20]: -" in text
+    # under the table, per threshold row: the spike and the row's warnings up to 40 steps
+    # before it (the quotient's 99th percentile over both runs is met only at calm's steps
+    # past 59; its median, the 80th of the 160 values sorted (six are -1, steps 0-2 of each
+    # run, then 0.3 x 1.1^e twice for each e <= 56), is 0.3 x 1.1^36: r warns at step 39,
+    # after the spike)
+    assert "- curv_pre / Adam's line (p99): r: 20 <- none" in text
+    assert "- curv_pre / Adam's line (p50): r: 20 <- none" in text
 
 
 def test_the_script_writes_the_reach_table_alone_into_its_block(tmp_path):

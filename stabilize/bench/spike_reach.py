@@ -110,6 +110,16 @@ HEAD = (
 )
 
 
+def before(scored: list, warned: list[list[int]], horizon: int) -> str:
+    """Each spike as ``run: step <- warnings`` (those 0 to ``horizon`` steps before it)."""
+    out = []
+    for s, ws in zip(scored, warned, strict=True):
+        for sp in s.spikes:
+            near = [w for w in ws if 0 <= sp - w <= horizon]
+            out.append(f"{s.name}: {sp} <- {', '.join(map(str, near)) or 'none'}")
+    return "; ".join(out) or "no spike"
+
+
 def reach(runs: list[dict], horizon: int) -> str:
     """The table (module docstring) over ``runs`` recorded by eval_spikes.py."""
     scored = [score(r, 1, horizon) for r in runs]
@@ -128,7 +138,7 @@ def reach(runs: list[dict], horizon: int) -> str:
         )
     add("trend forecast (the monitor's)", "-", [sorted({w for w, _ in s.warned}) for s in scored])
     add("trend forecast + past_line", "-", [sorted({w for w, _ in s.warned}) for s in fore])
-    near = []  # at the highest threshold: each spike's run, its spikes and its warnings
+    near = []  # per threshold row: each spike and the row's warnings in the horizon before it
     for name, value in SERIES:
         vals = [v for r in runs for d in r["steps"] if (v := value(d["opt"])) is not None]
         vals = [v for v in vals if math.isfinite(v)]
@@ -136,19 +146,13 @@ def reach(runs: list[dict], horizon: int) -> str:
             theta = percentile(vals, p)
             warned = [threshold_warnings(r["steps"], value, theta, horizon) for r in runs]
             add(name, f"{theta:.3g} (p{p})", warned)
-        if vals:
-            runs_ = [
-                f"{s.name} {s.spikes}: {ws or '-'}"
-                for s, ws in zip(scored, warned, strict=True)
-                if s.spikes
-            ]
-            near.append(f"- {name} (p{PERCENTILES[-1]}): " + "; ".join(runs_))
+            near.append(f"- {name} (p{p}): " + before(scored, warned, horizon))
     n = sum(len(s.spikes) for s in scored)
     return (
         f"What a warning can reach on these {len(runs)} runs ({n} unplanted loss spikes, "
         f"horizon {horizon} steps; thresholds chosen on the set itself, so each threshold "
         "row is an upper bound for its rule, not an out-of-sample figure):\n\n"
         + "\n".join(lines)
-        + "\n\nAt each series' highest threshold, the runs with a spike: their spikes' steps "
-        "and the rule's warnings:\n\n" + "\n".join(near)
+        + f"\n\nEach spike (run: step) and the threshold rows' warnings in the {horizon} steps "
+        "before it or at its step (a lead of 0):\n\n" + "\n".join(near)
     )
