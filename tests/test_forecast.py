@@ -172,11 +172,12 @@ def first_warning(v, **kw):
 def test_the_warning_leads_with_the_slowed_distance_and_a_confirmed_warning_comes_later():
     """The warning leads with (its value is) the slowed distance, N x (1 + s / step) with
     s = ``forecast_slow_steps``, and gives the projection at this rate second;
-    ``forecast_confirm`` = k warns k - 1 steps after k = 1 on a steady climb."""
+    ``forecast_confirm`` = k warns k - 1 steps after k = 1 on a steady climb (each with
+    ``forecast_within`` off: it would hold the two distances' warnings apart)."""
     v = series(60, 2.0, 1.15, 0.03, 1)
 
-    plain = first_warning(v, forecast_slow_steps=0.0)
-    scaled = first_warning(v, forecast_slow_steps=6.0)
+    plain = first_warning(v, forecast_slow_steps=0.0, forecast_within=0.0)
+    scaled = first_warning(v, forecast_slow_steps=6.0, forecast_within=0.0)
     rate = plain.extra["at_this_rate"]
     assert plain.step == scaled.step and scaled.extra["at_this_rate"] == rate
     k = 1 + 6.0 / scaled.step  # by hand: the step the warning came at
@@ -187,7 +188,7 @@ def test_the_warning_leads_with_the_slowed_distance_and_a_confirmed_warning_come
     )
     # a steady climb: the projection at this rate is the calibrated one, in float64
     assert 0.8 <= rate / (crossing(v, 256.0) - plain.step) <= 1.25
-    assert first_warning(v, forecast_confirm=3).step == plain.step + 2
+    assert first_warning(v, forecast_confirm=3, forecast_within=0.0).step == plain.step + 2
 
 
 def test_forecast_within_holds_a_far_warning_until_it_leads_with_that_many_steps():
@@ -196,11 +197,13 @@ def test_forecast_within_holds_a_far_warning_until_it_leads_with_that_many_steps
     crossing (float64 truth: the series itself)."""
     v = series(60, 2.0, 1.15, 0.03, 1)
 
-    free = first_warning(v)
-    assert free.value > 10  # the default warns this climb further out than 10 steps
+    free = first_warning(v, forecast_within=0.0)
+    assert free.value > 20  # with the rule off this climb is warned further out than 20
     held = first_warning(v, forecast_within=10.0)
     assert held.value <= 10 and held.step > free.step
     assert crossing(v, 256.0) - held.step >= 5  # still a 5-step lead
+    default = first_warning(v)  # the default holds it until 20 steps
+    assert default.value <= 20 and free.step < default.step <= held.step
 
 
 def test_a_layer_measured_past_a_line_is_not_warned_of_that_crossing():
@@ -245,14 +248,15 @@ def test_a_warning_whose_horizon_passed_is_given_again_when_the_crossing_nears()
 def test_an_older_checkpoints_warned_layers_stay_warned_until_their_approach_ends():
     """Before warnings expired, the state held the warned layers as a list: loaded, they stay
     warned on the same steady climb (x1.08/step: warned at step 34, crosses at 65), as they
-    did then; the same state read as warned long ago would warn again."""
+    did then (with ``forecast_within`` off, as then); the same state read as warned long ago
+    would warn again."""
     v = series(100, 2.0, 1.08, 0.03, 1)
-    mon = monitor()
+    mon = monitor(forecast_within=0.0)
     assert run_monitor(mon, abs_vals=v[:40])  # warned within the first 40 steps
     state = mon.state_dict()
 
     def resumed(warned):
-        m = monitor()
+        m = monitor(forecast_within=0.0)
         m.load_state_dict({**state, "forecast_warned": warned})
         return [e.step for i in range(40, 60) for e in m.update(
             StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(v[i])})
