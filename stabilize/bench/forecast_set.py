@@ -47,6 +47,7 @@ CODE_CHARS = 600_000
 # eval_forecast.py --sweep: each changes one setting of monitor.activation from its default
 SWEEP = [
     {},
+    {"forecast_within": 0.0},  # the default before 215f955
     {"forecast_z": 4.0},
     {"forecast_reach": 1.5},
     {"forecast_start": 6},
