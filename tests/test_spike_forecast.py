@@ -172,16 +172,23 @@ def test_scoring_counts_a_warning_5_to_40_steps_ahead_and_its_precision_by_hand(
     assert cells[4:] == ["1", "0", "0", "1", "1.00", "10.0", "2", "1", "0", "0.50", "10.0"]
 
 
-def test_the_script_scores_recorded_runs_and_writes_its_block(tmp_path):
+def recorded(tmp_path, block: str) -> tuple[list[str], object]:
+    """Two recorded runs (one spike at 20, one calm) in ``runs.json``, a doc whose ``block``
+    holds STALE-BLOCK, and the script's command scoring the file: (command, doc path)."""
     import json
-    import subprocess
     import sys
 
     runs = [run_dict(spike=20, warn_at=10), {**run_dict(None, 10, n=100), "name": "calm"}]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     doc = tmp_path / "doc.md"
-    doc.write_text("x\n<!-- eval_spikes:begin -->\nSTALE-BLOCK\n<!-- eval_spikes:end -->\n")
-    cmd = [sys.executable, "scripts/eval_spikes.py", "--load", str(tmp_path / "runs.json")]
+    doc.write_text(f"x\n<!-- {block}:begin -->\nSTALE-BLOCK\n<!-- {block}:end -->\n")
+    return [sys.executable, "scripts/eval_spikes.py", "--load", str(tmp_path / "runs.json")], doc
+
+
+def test_the_script_scores_recorded_runs_and_writes_its_block(tmp_path):
+    import subprocess
+
+    cmd, doc = recorded(tmp_path, "eval_spikes")
     out = subprocess.run([*cmd, "--doc", str(doc)], capture_output=True, text=True, check=True)
     assert "| natural | every step | 2 | 160 | 1 | 0 | 0 | 1 | 1.00 | 10.0 |" in out.stdout
     text = doc.read_text()

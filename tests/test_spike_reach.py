@@ -4,7 +4,7 @@ chance level and their scoring, against hand calculations on recorded-run dicts.
 from __future__ import annotations
 
 from stabilize.bench import spike_reach as R
-from tests.test_spike_forecast import run_dict
+from tests.test_spike_forecast import recorded, run_dict
 
 
 def pre(opt: dict) -> float | None:
@@ -72,19 +72,14 @@ def test_the_table_names_its_rules_and_the_chance_row_matches_the_hand_count():
 
 
 def test_the_script_writes_the_reach_table_alone_into_its_block(tmp_path):
-    import json
     import subprocess
-    import sys
 
-    runs = [run_dict(spike=20, warn_at=10), {**run_dict(None, 10, n=100), "name": "calm"}]
-    (tmp_path / "runs.json").write_text(json.dumps(runs))
-    doc = tmp_path / "doc.md"
-    doc.write_text("<!-- eval_spikes_reach:begin -->\nOLD\n<!-- eval_spikes_reach:end -->\n")
-    cmd = [sys.executable, "scripts/eval_spikes.py", "--load", str(tmp_path / "runs.json")]
+    cmd, doc = recorded(tmp_path, "eval_spikes_reach")
     cmd += ["--reach", "--doc", str(doc), "--doc-block", "eval_spikes_reach"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert out.startswith("What a warning can reach on these 2 runs")
     assert "spike forecast:" not in out  # the forecast's own tables are not repeated
     text = doc.read_text()
-    assert "OLD" not in text and "| clock: step 10 only | - | 2 | 2: 10-10 |" in text
-    assert "--reach --doc" in text.splitlines()[2]  # the block names its command
+    assert "STALE-BLOCK" not in text and "| clock: step 10 only | - | 2 | 2: 10-10 |" in text
+    head = next(line for line in text.splitlines() if line.startswith("Measured by"))
+    assert "--reach --doc" in head  # the block names its command
