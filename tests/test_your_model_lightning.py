@@ -42,11 +42,13 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
 
 
-def _replay(bundle: Path, *flags: str) -> subprocess.CompletedProcess:
+def _replay(bundle: Path, *flags: str, trust: bool = True) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "stabilize-replay"
     env = {**os.environ, "PYTHONPATH": str(HERE)}  # where your_lm lives, as a user's package
-    return subprocess.run([str(exe), *flags, str(bundle)], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    # --trust-code: the user chooses to import the module the bundle names (your_lm:GPT2LM)
+    trusted = ["--trust-code"] if trust else []
+    return subprocess.run([str(exe), *trusted, *flags, str(bundle)], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
 
 
 def _first_loss(tmp_path: Path) -> float:
@@ -81,6 +83,14 @@ def test_a_transient_nan_in_block_1_is_rolled_back_and_its_bundle_does_not_repro
     assert r.returncode == 1, r.stdout + r.stderr
     assert "reproduces: no" in r.stdout
     assert "forward: finite" in r.stdout  # the planted hook is not part of the module
+    # the flag the docs name is the gate: without it the module is named, not imported
+    r = _replay(run / "bundles" / "step-000006-nonfinite", trust=False)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.strip() == (
+        "stabilize-replay: cannot rebuild the module: replaying it imports module "
+        "your_lm:GPT2LM, named by its meta.json; a bundle's files never choose code to run: "
+        "pass --trust-code to import them, or --factory pkg.mod:fn to name your own"
+    )
 
 
 def test_a_nan_planted_by_content_is_found_again_and_its_bundle_reproduces(tmp_path):
@@ -101,6 +111,10 @@ def test_a_nan_planted_by_content_is_found_again_and_its_bundle_reproduces(tmp_p
     assert r.returncode == 0, r.stdout + r.stderr
     assert "reproduces: yes" in r.stdout
     assert "first non-finite output in transformer.wte" in r.stdout
+    # or the user names their own class: the same step, without trusting the bundle's names
+    mine = _replay(run / "bundles" / "step-000006-nonfinite", "--factory", "your_lm:GPT2LM",
+                   trust=False)  # fmt: skip
+    assert mine.returncode == 0 and mine.stdout == r.stdout, mine.stdout + mine.stderr
     # --data in a fresh process: of the step's 8 rows, sequence 44 alone (row 4 of the
     # loader's batch 5, counted from 0), named by the content of the dataset's own row;
     # 4 replays by hand: the whole step, rows 0-3 (clear), rows 4-5 (fail), row 4 (fail)
@@ -124,7 +138,7 @@ def test_a_bundle_whose_module_cannot_be_rebuilt_is_refused_in_one_line(tmp_path
     bundle = tmp_path / "run" / "bundles" / "step-000006-nonfinite"
     exe = Path(sys.executable).parent / "stabilize-replay"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # your_lm not importable
-    r = subprocess.run([str(exe), str(bundle)], capture_output=True, text=True, env=env,
+    r = subprocess.run([str(exe), "--trust-code", str(bundle)], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=300)  # fmt: skip
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()

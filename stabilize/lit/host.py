@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 from typing import Any
 
 import torch
@@ -65,7 +64,8 @@ def module_path(module: nn.Module) -> str:
 
 def plain(value: Any) -> Any:
     """``hparams`` as JSON: a config object with ``to_dict`` (Hugging Face's) as its dict and
-    its class path (``rebuild_value`` makes it again)."""
+    its class path (``replay.rebuild.rebuild_value`` makes it again, through its registry of
+    config classes: the path is a key, never imported)."""
     if hasattr(value, "to_dict") and callable(value.to_dict):
         cls = type(value)
         return {"__class__": f"{cls.__module__}:{cls.__qualname__}", **value.to_dict()}
@@ -73,17 +73,6 @@ def plain(value: Any) -> Any:
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
-    return value
-
-
-def rebuild_value(value: Any) -> Any:
-    """The inverse of ``plain`` for a config object: ``cls(**fields)``."""
-    if isinstance(value, dict) and "__class__" in value:
-        mod, _, name = value["__class__"].partition(":")
-        cls = getattr(importlib.import_module(mod), name)
-        return cls(**{k: v for k, v in value.items() if k != "__class__"})
-    if isinstance(value, dict):
-        return {k: rebuild_value(v) for k, v in value.items()}
     return value
 
 

@@ -18,14 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from stabilize.replay.core import fails, replay
+from stabilize.replay.rebuild import NO_CODE, CodeChoice
 
 
 # ---- precision: the fewest norms in fp32 that clear the step --------------------------------
-def precision(bundle: Path) -> dict[str, Any]:
+def precision(bundle: Path, code: CodeChoice = NO_CODE) -> dict[str, Any]:
     """The smallest set of norms whose reduction in fp32 clears the failing step, found by
     halving (``minimize``; one culprit: log2(sites) + 3 replays, with the first and the
-    all-norms one)."""
-    first = replay(bundle)
+    all-norms one). ``code``: what a model we did not build may import."""
+    from stabilize.replay.bundle_files import open_bundle
+
+    bundle = open_bundle(bundle)  # checked once, every replay from the same verified bytes
+    first = replay(bundle, code=code)
     sites = sorted(n for n, d in first["dtypes"].items() if d != "fp32")
     count = 1
     out = {"sites": sites, "failing": fails(first), "overflowed": first["overflowed"]}
@@ -37,7 +41,7 @@ def precision(bundle: Path) -> dict[str, Any]:
         nonlocal count
         if switched not in memo:
             count += 1
-            memo[switched] = not fails(replay(bundle, switched))
+            memo[switched] = not fails(replay(bundle, switched, code=code))
         return memo[switched]
 
     if not clears(frozenset(sites)):
@@ -63,14 +67,12 @@ def swap_call(culprits: list[str]) -> str:
     return f"stabilize.swap_norms(model, sites={{{sites}}})"
 
 
-def precision_main(bundle: Path) -> int:
-    import json
+def precision_main(bundle: Path, code: CodeChoice = NO_CODE) -> int:
+    from stabilize.replay.bundle_files import open_bundle
 
-    foreign = json.loads((bundle / "meta.json").read_text()).get("host", {}).get("kind") in (
-        "lightning",
-        "guard",
-    )
-    b = precision(bundle)
+    opened = open_bundle(bundle)  # before anything is read of it
+    foreign = opened.meta.get("host", {}).get("kind") in ("lightning", "guard")
+    b = precision(bundle, code)
     head = f"bisection over {len(b['sites'])} norms with a 16-bit reduction, {b['replays']} replays"
     if b["failing"] and not b["sites"]:  # it reproduces: the norms are not why (issue 34)
         print(f"{head}: the step fails in the replay, but every norm of the run already "
@@ -181,15 +183,17 @@ def recorded_batches(r: dict) -> list:
     return r.get("batches") or list(zip(r["x"], r["y"], strict=True))
 
 
-def data(bundle: Path) -> dict[str, Any]:
+def data(bundle: Path, code: CodeChoice = NO_CODE) -> dict[str, Any]:
     """The step's sequences that alone still fail it, by rank, micro-batch, row, data
     position, training block index (our corpus; None for a loader we do not own) and
-    content hash."""
+    content hash. ``code``: what a model we did not build may import."""
     from stabilize.data import block_hash
-    from stabilize.trust import torch_load
+    from stabilize.replay.bundle_files import open_bundle
+    from stabilize.replay.core import _ranks
 
-    first = replay(bundle)
-    ranks = torch_load(bundle / "batch.pt", trusted=False, map_location="cpu")["ranks"]
+    bundle = open_bundle(bundle)  # checked once, every replay from the same verified bytes
+    first = replay(bundle, code=code)
+    ranks = _ranks(bundle)
     rows = [(r["rank"], m, j) for r in ranks for m, b in enumerate(recorded_batches(r))
             for j in range(rows_of(b))]  # fmt: skip
     out: dict[str, Any] = {"rows": len(rows), "failing": fails(first), "replays": 1}
@@ -200,7 +204,7 @@ def data(bundle: Path) -> dict[str, Any]:
     def fails_with(subset: frozenset) -> bool:
         if subset not in memo:
             out["replays"] += 1
-            memo[subset] = fails(replay(bundle, rows=subset))
+            memo[subset] = fails(replay(bundle, rows=subset, code=code))
         return memo[subset]
 
     found = minimize(rows, fails_with)
@@ -234,8 +238,8 @@ def record(bundle: Path, culprits: list[dict]) -> Path | None:
     return add_skipped_items(run_dir, [{**c, "bundle": bundle.name} for c in culprits])
 
 
-def data_main(bundle: Path) -> int:
-    b = data(bundle)
+def data_main(bundle: Path, code: CodeChoice = NO_CODE) -> int:
+    b = data(bundle, code)
     head = f"data bisection over {b['rows']} sequences, {b['replays']} replays"
     if b["culprits"] is None:
         print(f"{head}: the step does not fail in the replay (nothing to bisect)")

@@ -3,6 +3,7 @@
     stabilize-replay runs/x/bundles/step-000004-nonfinite            # does it reproduce?
     stabilize-replay --bisect runs/x/bundles/step-000004-overflow    # the norms to switch
     stabilize-replay --data runs/x/bundles/step-000006-nonfinite     # the sequences to skip
+    stabilize-replay --trust-code runs/mylm/bundles/step-000006-nonfinite  # your model's
     stabilize-replay --gap runs/bf16 --reference runs/fp32-s0 runs/fp32-s1 runs/fp32-s2
     stabilize-replay --spike runs/x --reference runs/ref-s0 runs/ref-s1 runs/ref-s2
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from stabilize.exits import EXIT_CONFIG
 from stabilize.replay.core import BadBundle, replay, report
+from stabilize.replay.rebuild import CodeChoice
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     how.add_argument("--spike", action="store_true", help="BUNDLE is a run dir: replay the "
                      "steps after its spike as it happened and with each remedy (skip, clip, "
                      "lower_lr); the damage left and the steps to recover")  # fmt: skip
+    p.add_argument("--trust-code", action="store_true", help="a bundle of a model we did not "
+                   "build (a LightningModule's, a Guard's): import the module, factory and "
+                   "loss its meta.json names, from this environment; without it (or "
+                   "--factory) the replay names them and runs nothing")  # fmt: skip
+    p.add_argument("--factory", metavar="PKG.MOD:FN", help="your own function that builds "
+                   "the model, in place of the one the bundle names (a LightningModule's: "
+                   "called with the saved hyperparameters; a Guard's: with none)")  # fmt: skip
+    p.add_argument("--loss", metavar="PKG.MOD:FN", help="a Guard's bundle: your own "
+                   "loss_fn(model, batch), in place of the one the bundle names")  # fmt: skip
     p.add_argument("--reference", type=Path, nargs="+", help="--gap, --tail, --spike: the "
                    "reference's run dirs (--spike: optional, for seed noise)")  # fmt: skip
     p.add_argument("--at", type=int, default=None, help="--spike: the spike's model step "
@@ -54,20 +65,43 @@ def main(argv: list[str] | None = None) -> int:
     from stabilize.replay.bisect import data_main, precision_main
     from stabilize.trust import UntrustedFile
 
+    code = _code(args)
+    if isinstance(code, str):
+        print(f"stabilize-replay: {code}", file=sys.stderr)
+        return EXIT_CONFIG
     if args.gap or args.tail is not None:
         return _gap(p, args)
     if args.spike:
         return _spike(args)
     try:
         if args.bisect or args.data:
-            return (data_main if args.data else precision_main)(args.bundle)
-        out = replay(args.bundle)
+            return (data_main if args.data else precision_main)(args.bundle, code)
+        out = replay(args.bundle, code=code)
     except (BadBundle, UntrustedFile) as e:
         print(f"stabilize-replay: {e}", file=sys.stderr)
         return EXIT_CONFIG
     lines = report(args.bundle, out)
     print("\n".join(lines))
     return 0 if lines[-1].endswith("yes") else 1
+
+
+def _code(args) -> CodeChoice | str:
+    """What the user allows a foreign model's replay to import, or why the flags are
+    refused (one line)."""
+    from stabilize.replay.rebuild import CannotRebuild, check_target
+
+    given = [f for f, v in (("--trust-code", args.trust_code), ("--factory", args.factory),
+                            ("--loss", args.loss)) if v]  # fmt: skip
+    if given and (args.gap or args.tail is not None or args.spike):
+        return (f"{given[0]} goes with a bundle's replay (BUNDLE, --bisect, --data), not with "
+                "--gap, --tail or --spike (run dirs of our GPT)")  # fmt: skip
+    try:
+        for flag, v in (("--factory", args.factory), ("--loss", args.loss)):
+            if v is not None:
+                check_target(v, flag)
+    except CannotRebuild as e:
+        return str(e)
+    return CodeChoice(trust_code=args.trust_code, factory=args.factory, loss=args.loss)
 
 
 def _gap(p: argparse.ArgumentParser, args) -> int:

@@ -1,13 +1,16 @@
 """Replay a failing step from its repro bundle, in this process (``stabilize-replay``).
 
-The bundle (stability/bundle.py) is checked first: every file its manifest lists must
-be there with its size and SHA-256, and its format this one; otherwise one line naming the
-file, exit 2. Then the model is rebuilt from the bundle's config and state, and the step's
-micro-batches (every rank's, under DDP) run forward and backward as training ran them: the
-same dropout seeds (seed, data position, rank), the run's autocast and loss scale, the
-fault injector in the state it had (a harness fault recurs), the gradients averaged over
-the ranks as DDP does. Forward and backward localization are on (the first module whose
-output, then whose gradient, went non-finite).
+The bundle (stability/bundle.py) is checked first (``bundle_files.open_bundle``): every
+file its manifest lists must be there with its size and SHA-256, inside the bundle, and no
+other file beside them; its format this one; ``meta.json`` of the shape the replay reads;
+otherwise one line naming the file, exit 2. A model we did not build is rebuilt only with
+the code the user allows (``rebuild.CodeChoice``). Then the model is rebuilt from the
+bundle's config and state, and the step's micro-batches (every rank's, under DDP) run
+forward and backward as training ran them: the same dropout seeds (seed, data position,
+rank), the run's autocast and loss scale, the fault injector in the state it had (a
+harness fault recurs), the gradients averaged over the ranks as DDP does. Forward and
+backward localization are on (the first module whose output, then whose gradient, went
+non-finite).
 
 It prints the replayed loss and gradient norm beside the recorded ones and whether the
 failure reproduces: a bundle written by one rank in fp32 on a CPU is compared bit for bit;
@@ -18,45 +21,21 @@ reproduces; 1: it does not.
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from pathlib import Path
 from typing import Any
 
+from stabilize.replay.bundle_files import BadBundle, Bundle, open_bundle
+from stabilize.replay.rebuild import NO_CODE, CodeChoice
+
 TOLERANCE = 1e-4  # relative, where the comparison cannot be bitwise
 
 
-class BadBundle(Exception):
-    """A bundle that cannot be replayed: missing, damaged, incomplete or incompatible."""
-
-
 def check(bundle: Path) -> dict[str, Any]:
-    """The bundle's meta, once every file matches its manifest; else ``BadBundle``."""
-    from stabilize.stability.bundle import READS, sha256
-
-    man = bundle / "manifest.json"
-    if not man.is_file():
-        raise BadBundle(f"{man}: missing (not a bundle, or an incomplete one)")
-    try:
-        manifest = json.loads(man.read_text())
-    except ValueError as e:
-        raise BadBundle(f"{man}: not JSON ({e})") from None
-    if manifest.get("format") not in READS:
-        raise BadBundle(f"{man}: bundle format {manifest.get('format')!r}; this version reads "
-                        f"{' and '.join(map(str, READS))}")  # fmt: skip
-    for name, want in manifest["files"].items():
-        f = bundle / name
-        if not f.is_file():
-            raise BadBundle(f"{f}: missing")
-        if f.stat().st_size != want["bytes"]:
-            raise BadBundle(f"{f}: {f.stat().st_size} bytes, the manifest says {want['bytes']}")
-        if sha256(f) != want["sha256"]:
-            raise BadBundle(f"{f}: damaged (its SHA-256 is not the manifest's)")
-    meta = json.loads((bundle / "meta.json").read_text())
-    if meta.get("state_omitted"):
-        raise BadBundle(f"{bundle / 'state.pt'}: not in the bundle ({meta['state_omitted']})")
-    return meta
+    """The bundle's meta, once every file matches its manifest and the directory is closed
+    (``bundle_files.open_bundle``); else ``BadBundle``."""
+    return open_bundle(bundle).meta
 
 
 def _same(a: float | None, b: float | None, exact: bool) -> bool:
@@ -68,42 +47,86 @@ def _same(a: float | None, b: float | None, exact: bool) -> bool:
 
 
 def replay(
-    bundle: Path, fp32_sites: frozenset[str] = frozenset(), rows: frozenset | None = None
+    bundle: Path | Bundle,
+    fp32_sites: frozenset[str] = frozenset(),
+    rows: frozenset | None = None,
+    code: CodeChoice = NO_CODE,
 ) -> dict[str, Any]:
     """Replay the bundle's step; ``fp32_sites``: norms whose reduction runs in fp32;
-    ``rows``: only these sequences, as (rank, micro-batch, row) (None: all of them)."""
+    ``rows``: only these sequences, as (rank, micro-batch, row) (None: all of them);
+    ``code``: what the user allowed a model we did not build to import (replay/rebuild.py).
+    ``bundle``: a path, or a ``Bundle`` already opened (a bisection's many replays)."""
     import torch
 
     from stabilize.run.config import RunConfig
-    from stabilize.trust import torch_load
 
-    meta = check(bundle)
+    b = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
+    meta = b.meta
     if meta.get("host", {}).get("kind") in ("lightning", "guard"):  # a model we did not build
         from stabilize.replay.rebuild import replay_module
 
-        model, step = _rebuilt(meta["host"])  # refused in one line before anything is loaded
-        state = torch_load(bundle / "state.pt", trusted=False, map_location="cpu")
-        ranks = torch_load(bundle / "batch.pt", trusted=False, map_location="cpu")["ranks"]
-        return replay_module(model, step, meta, state, ranks, fp32_sites, _select(rows))
-    cfg = RunConfig.from_saved(meta["config"])  # a bundle of an older version too
+        model, step = _rebuilt(meta["host"], code)  # refused in one line before any import
+        state, ranks = b.load("state.pt"), _ranks(b)
+        return replay_module(model, step, meta, _state(b, state), ranks, fp32_sites,
+                             _select(rows))  # fmt: skip
+    try:
+        cfg = RunConfig.from_saved(meta["config"])  # a bundle of an older version too
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # ConfigError is a ValueError
+        raise BadBundle(f"{b.root / 'meta.json'}: its config does not load ({e})") from None
     if meta.get("state_sharded"):  # FSDP: the ranks' shards, into one unsharded model
-        state = sharded_state(bundle / "state", cfg)
+        state = sharded_state(b.root / "state", cfg)
     else:
-        state = torch_load(bundle / "state.pt", trusted=False, map_location="cpu")  # any machine
-    ranks = torch_load(bundle / "batch.pt", trusted=False, map_location="cpu")["ranks"]
+        state = _state(b, b.load("state.pt"))
+    ranks = _ranks(b)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        return _run(bundle, meta, cfg, state, ranks, fp32_sites, rows)
+        return _run(b.root, meta, cfg, state, ranks, fp32_sites, rows)
     finally:
         torch.use_deterministic_algorithms(was)
 
 
-def _rebuilt(host: dict[str, Any]):
+def _state(b: Bundle, state: Any) -> dict[str, Any]:
+    """``state.pt`` as the replay reads it: a dict with the model's tensors and the train
+    state; else ``BadBundle`` (a file that loads but is not a bundle's state)."""
+    if not (isinstance(state, dict) and isinstance(state.get("model"), dict)
+            and isinstance(state.get("train_state"), dict)):  # fmt: skip
+        raise BadBundle(f"{b.root / 'state.pt'}: not a bundle's state (needs 'model' and "
+                        "'train_state')")  # fmt: skip
+    return state
+
+
+def _ranks(b: Bundle) -> list[dict]:
+    """``batch.pt``'s rank records, each with its rank, data positions and micro-batches."""
+    from stabilize.replay.bisect import recorded_batches
+
+    raw = b.load("batch.pt")
+    ranks = raw.get("ranks") if isinstance(raw, dict) else None
+    ok = isinstance(ranks, list) and bool(ranks)
+    for r in ranks if ok else ():
+        ok = (
+            ok
+            and isinstance(r, dict)
+            and isinstance(r.get("rank"), int)
+            and isinstance(r.get("positions"), list)
+            and ("batches" in r or ("x" in r and "y" in r))
+        )
+        if ok:
+            try:
+                ok = len(recorded_batches(r)) == len(r["positions"])
+            except (TypeError, ValueError):
+                ok = False
+    if not ok:
+        raise BadBundle(f"{b.root / 'batch.pt'}: not a bundle's batch (needs 'ranks', each "
+                        "with its rank, data positions and micro-batches)")  # fmt: skip
+    return ranks
+
+
+def _rebuilt(host: dict[str, Any], code: CodeChoice):
     from stabilize.replay.rebuild import CannotRebuild, rebuild_module
 
     try:
-        return rebuild_module(host)
+        return rebuild_module(host, code)
     except CannotRebuild as e:
         raise BadBundle(f"cannot rebuild the module: {e}") from None
 

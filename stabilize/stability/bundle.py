@@ -175,8 +175,10 @@ def write_bundle(
     parts = [f for f in shards if f.endswith(".distcp")]
     if parts:
         note = f" (FSDP: model and optimizer as {len(parts)} shards, {', '.join(parts)})"
+    # a model we did not build: its replay imports the user's code, by the user's choice
+    flag = "--trust-code " if meta["host"].get("kind") in ("lightning", "guard") else ""
     print(f"[bundle] repro bundle: {final} ({total:.1f} MB, {time.perf_counter() - t0:.2f} s)"
-          f"{note}; replay it with: stabilize-replay {final}", flush=True)  # fmt: skip
+          f"{note}; replay it with: stabilize-replay {flag}{final}", flush=True)  # fmt: skip
     return final
 
 
