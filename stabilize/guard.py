@@ -44,6 +44,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
+from stabilize.lit.arguments import check_guard, shown
 from stabilize.lit.host import LightningHost, StabilityConfigError, refuse_fault
 from stabilize.lit.stability import StabilityCallback
 from stabilize.monitors import Event
@@ -176,18 +177,19 @@ class Guard:
         log_every: int = 10,
         blocks: str | None = None,
     ):
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # every argument checked before anything is written: a refused one leaves no run dir
+        # (the callback checks the settings; its setup makes the dir once the model is seen)
+        self.run_dir = check_guard(model, optimizer, scaler, run_dir, loss_fn, clip, log_every)
+        self.cb = StabilityCallback(monitor, rollback, fault, self.run_dir, 1, blocks=blocks,
+                                    factory=factory)  # fmt: skip
+        refuse_fault(self.cb.fcfg, gradients=True)
         if scheduler is None:
             scheds = []
         else:
             scheds = list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
         self.loop = _Loop(model, optimizer, scaler, scheds, self.run_dir, log_every, clip)
-        self.cb = StabilityCallback(monitor, rollback, fault, self.run_dir, 1, blocks=blocks,
-                                    factory=factory)  # fmt: skip
         self.host = GuardHost(model, self.loop, self.cb.rcfg, factory, loss_fn)
         self.cb.host, self.cb._driven = self.host, True
-        refuse_fault(self.cb.fcfg, gradients=True)
         self.model, self.optimizer, self.scaler, self.clip = model, optimizer, scaler, clip
         self._autocast_hook = model.register_forward_pre_hook(self._read_autocast)
         self.cb.setup(self.loop, self.host, "fit")
@@ -195,6 +197,7 @@ class Guard:
         self._owed: Any = None  # the batch whose end (snapshot, logs) is still to be done
         self._batch_idx = 0
         self._closed = False
+        self._judged: bool | None = None  # None: no batch drawn yet; True: before_step ran
 
     def _read_autocast(self, module, args) -> None:
         """At the first forward: the autocast it runs under (the re-run's)."""
@@ -209,13 +212,15 @@ class Guard:
     def batches(self, loader):
         """The loader's batches, each announced to the probe before its forward."""
         for batch in loader:
+            self._open("batches")
             self._finish()
             self.cb.on_train_batch_start(self.loop, self.host, batch, self._batch_idx)
-            self._batch = batch
+            self._batch, self._judged = batch, False
             yield batch
 
     def before_step(self, loss: torch.Tensor) -> Verdict:
         """After the backward, before the optimizer step: judge it (see the module doc)."""
+        self._check_step(loss)
         host, loop, cb = self.host, self.loop, self.cb
         if self._batch_idx == 0:  # the precision is known once the first forward ran
             cb.write_run_info(loop)
@@ -244,6 +249,32 @@ class Guard:
                 self.scaler.update()
             self._finish()
         return verdict
+
+    def _open(self, call: str) -> None:
+        if self._closed:  # its callback is torn down: nothing would be judged or written
+            msg = f"Guard.{call}() after Guard.close(); allowed: a new Guard for a new loop"
+            raise StabilityConfigError(msg)
+
+    def _check_step(self, loss) -> None:
+        """``before_step``'s order and argument, checked before anything is counted: a
+        second call for one batch would count its loss twice and judge a step not taken."""
+        self._open("before_step")
+        if self._judged is None:
+            raise StabilityConfigError(
+                "Guard.before_step() before any batch was drawn; allowed: after the backward "
+                "of a batch from guard.batches(loader)"
+            )
+        if self._judged:
+            raise StabilityConfigError(
+                "Guard.before_step() called twice for one batch; allowed: once per batch "
+                "drawn from guard.batches(loader), after its backward"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise StabilityConfigError(
+                f"Guard.before_step(loss={shown(loss)}) is not allowed; allowed: the step's "
+                "loss, a one-element torch.Tensor (the one its backward ran on, before any scaler)"
+            )
+        self._judged = True
 
     def _finish(self) -> None:
         """The end of the last batch: its step counted, logged, snapshotted or rolled back."""

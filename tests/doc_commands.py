@@ -119,7 +119,8 @@ COMMANDS: dict[str, str] = {
     # docs/your-model.md (tests/test_your_model_doc.py)
     "hf-extra": ".venv/bin/pip install -q -e '.[hf]'",
     "replay-mylm": "stabilize-replay --trust-code runs/mylm/bundles/step-000006-nonfinite",
-    "bisect-guard": "stabilize-replay --bisect --trust-code runs/guard/bundles/step-000005-activation",
+    "bisect-guard": "stabilize-replay --bisect --trust-code "
+    "runs/guard/bundles/step-000005-activation",
     "train-hf": "stabilize-train model=hf norm.reduction_dtype=fp16 precision=fp16-mixed "
     "trainer.max_steps=20",
     "bench-your-model": "python scripts/bench_your_model.py --rounds 64",

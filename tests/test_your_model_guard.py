@@ -115,7 +115,8 @@ def test_guard_counts_fp16_overflow_exactly_and_bisect_names_the_norms(tmp_path)
     assert meta["precision"] == "fp16-mixed"
     exe = Path(sys.executable).parent / "stabilize-replay"
     env = {**os.environ, "PYTHONPATH": str(HERE)}
-    r = subprocess.run([str(exe), "--bisect", "--trust-code", str(bundles[0])], capture_output=True, text=True,
+    r = subprocess.run([str(exe), "--bisect", "--trust-code", str(bundles[0])],
+                       capture_output=True, text=True,
                        env=env, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     over = [n for n in names if seen[first - 1][n] > 0]

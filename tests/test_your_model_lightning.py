@@ -138,7 +138,8 @@ def test_a_bundle_whose_module_cannot_be_rebuilt_is_refused_in_one_line(tmp_path
     bundle = tmp_path / "run" / "bundles" / "step-000006-nonfinite"
     exe = Path(sys.executable).parent / "stabilize-replay"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # your_lm not importable
-    r = subprocess.run([str(exe), "--trust-code", str(bundle)], capture_output=True, text=True, env=env,
+    r = subprocess.run([str(exe), "--trust-code", str(bundle)], capture_output=True, text=True,
+                       env=env,
                        cwd=tmp_path, timeout=300)  # fmt: skip
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()

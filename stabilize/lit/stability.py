@@ -23,15 +23,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from stabilize.data import parse_skip_items
-from stabilize.faults import FaultConfig, FaultInjector, fault_config
+from stabilize.faults import FaultConfig, FaultInjector
+from stabilize.lit.arguments import check_callback, settings, watched
 from stabilize.lit.fsdp import is_fsdp
-from stabilize.lit.host import (
-    LightningHost,
-    StabilityConfigError,
-    module_path,
-    refuse_fault,
-    watched_model,
-)
+from stabilize.lit.host import LightningHost, module_path
 from stabilize.monitors import ROLLBACK, Event, MonitorConfig, MonitorSuite, StepStats
 from stabilize.rollback import RollbackConfig
 from stabilize.rollback.sharded import Sharder
@@ -52,13 +47,6 @@ from stabilize.stability.localize import first_named, locate
 from stabilize.stability.probe import StabilityProbe
 from stabilize.stability.sink import EventSink
 from stabilize.stability.view import norm_summary, view_of
-from stabilize.validate import build_dataclass
-
-
-def _settings(cls: type, value, key: str):
-    """A settings group: an instance as it is; a dict (or None: the defaults) built with
-    its keys checked (one line naming the bad key and the allowed ones)."""
-    return value if isinstance(value, cls) else build_dataclass(cls, dict(value or {}), key)
 
 
 def _sharded(trainer) -> bool:
@@ -92,9 +80,9 @@ class StabilityCallback(L.Callback):
         ``pkg.mod:fn`` that rebuilds the module for ``stabilize-replay`` (default its
         class with its saved ``hparams``). ``skip_items``: ``data.skip_items``.
         ``layer_panels``: ``logger.layer_panels`` (stability/wandb_layers.py)."""
-        monitor = MonitorConfig.build(monitor if monitor is not None else {}, "monitor")
-        rollback = _settings(RollbackConfig, rollback, "rollback")
-        fault = fault if isinstance(fault, FaultConfig) else fault_config(fault)
+        # every argument checked before anything is made (arguments.py: one line each)
+        monitor, rollback, fault = settings(monitor, rollback, fault)
+        skip_items = check_callback(run_dir, accumulate, model, blocks, factory, skip_items)
         self.mcfg, self.rcfg, self.fcfg = monitor, rollback, fault
         # without monitors nothing can call for a rollback: no snapshots to pay for either
         self.rollback_on = rollback.enabled and monitor.enabled
@@ -147,7 +135,7 @@ class StabilityCallback(L.Callback):
     def setup(self, trainer, pl_module, stage):
         if stage != "fit":
             return
-        self._own_host(trainer, pl_module)
+        self._own_host(trainer, pl_module)  # a module or a setting refused here makes no dir
         model = self.host.model
         # The fault's hook first: hooks run in registration order, and the probe must
         # measure what the next layer really receives.
@@ -172,13 +160,13 @@ class StabilityCallback(L.Callback):
         self.controller.sharder = Sharder(trainer.global_rank, world, fsdp=fsdp)
         if world > 1 and self.rollback_on:
             rank_zero_info(f"[stability] snapshots sharded: each of {world} ranks keeps 1/{world}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # all settled: the first thing written
 
     def _own_host(self, trainer, pl_module) -> None:
         """Our GPTLitModule is its own host; any other LightningModule gets a
         LightningHost (lit/host.py). The run dir, accumulation and budget are settled."""
         if self.run_dir is None:
             self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.sink.run_dir = self.controller.run_dir = self.run_dir
         if self.accumulate is None:
             self.accumulate = self.gather.accumulate = int(trainer.accumulate_grad_batches)
@@ -187,13 +175,7 @@ class StabilityCallback(L.Callback):
         if isinstance(getattr(pl_module, "train_state", None), TrainState):
             self.host, self._driven = pl_module, False
             return
-        if not pl_module.automatic_optimization:
-            raise StabilityConfigError(
-                f"{type(pl_module).__name__}: manual optimization is not supported by "
-                "StabilityCallback (it judges each step between backward and optimizer step)"
-            )
-        model = watched_model(pl_module, self._model)
-        refuse_fault(self.fcfg, gradients=False)
+        model = watched(pl_module, self._model, self.fcfg)
         self.host = LightningHost(pl_module, trainer, model, self.rcfg, self.factory)
         self._driven = True
         if getattr(self, "_host_state", None):  # a checkpoint's state loaded before setup
@@ -229,7 +211,7 @@ class StabilityCallback(L.Callback):
             self.writer.close()
         except Exception as e:  # noqa: BLE001  (the training error is the one to report)
             rank_zero_info(f"[stability] the durable snapshot in flight failed too: {e!r}")
-        if self._driven:
+        if self._driven and self.run_dir.is_dir():  # not a set-up refused before the dir
             aborted = isinstance(exception, StabilityAbort)
             self._write_result(trainer, "aborted" if aborted else "failed", repr(exception))
 
