@@ -38,8 +38,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from stabilize.exits import EXIT_CONFIG
 from stabilize.replay.bisect import minimize
 from stabilize.report.gap import bisection_words, tail_words
+from stabilize.report.rundirs import check_run_dirs
+
+
+def _loads(saved: dict):
+    """A run dir's config as a replay rebuilds it (``check_run_dirs``' ``loads``)."""
+    from stabilize.run.config import RunConfig
+
+    return RunConfig.from_saved(saved)
 
 # sites of the run, not of a module, each switched back by its own key
 LOSS = "loss"  # model.loss_dtype=logits -> fp32
@@ -97,6 +106,10 @@ class Window:
         self.cfg = RunConfig.from_saved(self.saved)
         self.start, self.steps, self.work = start, steps, work
         self.ckpt = _checkpoints(run_dir).get(start) if start else None
+        if self.ckpt is not None:  # a damaged one: one line naming it, before any replay
+            from stabilize.lit.checkpoint import verify_checkpoint
+
+            verify_checkpoint(self.ckpt)  # DamagedFile, a ValueError
         # a run of several ranks replays in this one process with their global batch: the
         # same items per step (data/sampler.py), the checkpoint whole (DDP) or resharded
         # on load (FSDP's DCP directory)
@@ -148,7 +161,9 @@ class Window:
                 chatter.setLevel(logging.WARNING)
                 run(RunConfig.from_saved(values), callbacks)
         except BaseException:  # what the replay printed, before its traceback
-            print("".join(log.read_text().splitlines(True)[-20:]), file=sys.stderr)
+            said = "".join(log.read_text().splitlines(True)[-20:])
+            if said:
+                print(said, end="", file=sys.stderr)
             raise
         finally:
             chatter.setLevel(level)
@@ -175,12 +190,14 @@ def _paired(a: list[float], b: list[float]) -> tuple[float, float]:
 def gap_bisect(run_dir: Path, refs: list[Path], window: int | None = None, share: float = 0.8,
                work: Path | None = None, judged=None) -> dict[str, Any]:  # fmt: skip
     """The judge, then the bisection (see the module doc); a dict of what was found.
-    ``judged(lines)``: called with the judge's lines before any replay."""
+    ``judged(lines)``: called with the judge's lines before any replay. ``ValueError``, before
+    anything is read further, where a dir is not a finished, scored run (check_run_dirs)."""
     from stabilize.model import build_model
     from stabilize.model.fp32_sites import sites
     from stabilize.report.gap import judge
     from stabilize.report.load import load_run_dir
 
+    check_run_dirs(run_dir, refs, loads=_loads)
     j = judge(load_run_dir(run_dir), [load_run_dir(r) for r in refs])
     out: dict[str, Any] = {"judge": j.lines(), "real": j.primary.real if j.primary else None,
                            "replays": 0, "culprits": None}  # fmt: skip
@@ -235,9 +252,15 @@ def override(culprits: list[str]) -> str:
 
 
 def gap_main(run_dir: Path, refs: list[Path], window: int | None, share: float) -> int:
-    print(f"gap of {run_dir} to {len(refs)} reference seed(s):", flush=True)
-    b = gap_bisect(run_dir, refs, window, share, judged=lambda lines: print(
-        "\n".join(f"  {line}" for line in lines), flush=True))  # fmt: skip
+    def judged(lines: list[str]) -> None:  # the header only once the dirs are accepted
+        print(f"gap of {run_dir} to {len(refs)} reference seed(s):", flush=True)
+        print("\n".join(f"  {line}" for line in lines), flush=True)
+
+    try:
+        b = gap_bisect(run_dir, refs, window, share, judged=judged)
+    except ValueError as e:  # a dir that is no finished run, or a replay that cannot score
+        print(f"stabilize-replay: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     if not b["real"]:
         print("gap bisection: nothing significant to close (the run's gap is not a real gap "
               "against the reference's seed noise)")  # fmt: skip
@@ -271,18 +294,25 @@ def tail(run_dir: Path, refs: list[Path], start: int) -> dict[str, Any]:
     state) and train to its end at the reference's precision (its ``precision`` section,
     every site in fp32, so no emulated rounding either); the share of the run's held-out gap
     to the reference mean that this recovers, ``(run - tail) / (run - reference)``, with its
-    error from the reference's seed noise."""
+    error from the reference's seed noise. ``ValueError``, before any replay, where a dir is
+    not a finished, scored run (check_run_dirs) or ``start`` has no checkpoint to fork from."""
     from stabilize.model import build_model
     from stabilize.model.fp32_sites import sites
 
+    check_run_dirs(run_dir, refs, loads=_loads)
     run_score = json.loads((run_dir / "final_eval.json").read_text())["loss"]
     ref_scores = [json.loads((r / "final_eval.json").read_text())["loss"] for r in refs]
     ref_precision = json.loads((refs[0] / "config.json").read_text())["precision"]
     steps = int(json.loads((run_dir / "config.json").read_text())["trainer"]["max_steps"])
-    if start and start not in _checkpoints(run_dir):
-        have = sorted(_checkpoints(run_dir))
-        raise ValueError(f"--from={start} is not allowed: the run has no checkpoint at that "
-                         f"step; allowed: 0 (its initial state) or {have}")  # fmt: skip
+    have = sorted(s for s in _checkpoints(run_dir) if s < steps)  # the end: nothing to retrain
+    if start and start not in have:
+        why = f"{run_dir} has no checkpoint at model step {start}"
+        if start >= steps:
+            why = f"{run_dir} ends at model step {steps}, nothing after it to retrain"
+        kept = (f" or a step it kept a checkpoint at: {', '.join(map(str, have))}" if have else
+                " (it kept no step checkpoint before its end)")  # fmt: skip
+        raise ValueError(f"--tail={start} is not allowed: {why}; allowed: 0 (its initial "
+                         f"state){kept}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         win = Window(run_dir, start, steps - start, Path(tmp))
         every = frozenset(sites(build_model(win.cfg.model)) + run_sites(win.cfg))

@@ -41,8 +41,16 @@ from typing import Any
 
 import lightning as L
 
-from stabilize.replay.gap_bisect import Window, _checkpoints, _keep, _paired, train_losses
+from stabilize.replay.gap_bisect import (
+    Window,
+    _checkpoints,
+    _keep,
+    _loads,
+    _paired,
+    train_losses,
+)
 from stabilize.report.gap import T975
+from stabilize.report.rundirs import check_run_dirs
 
 SMOOTH = 5  # steps the per-step losses are averaged over for the recovery
 
@@ -146,10 +154,19 @@ def counterfactual(
     run_dir: Path, refs: list[Path], at: int | None = None, steps: int = 50,
     remedies: tuple[str, ...] = tuple(REMEDIES),
 ) -> dict[str, Any]:  # fmt: skip
-    """The branches' held-out damage and recovery (see the module doc), as a dict."""
+    """The branches' held-out damage and recovery (see the module doc), as a dict.
+    ``ValueError``, before any replay, where the run is not a run dir of ours, a reference
+    not a finished, scored run (check_run_dirs), or the spike is not before the run's end."""
+    # the run itself need not have finished: its branches are replayed from a checkpoint
+    check_run_dirs(run_dir, refs, run_finished=False, loads=_loads)
     saved = json.loads((run_dir / "config.json").read_text())
     spike = spike_step(run_dir) if at is None else at
-    end = min(spike + steps, int(saved["trainer"]["max_steps"]))
+    last = int(saved["trainer"]["max_steps"])
+    if spike >= last:  # no step after it to replay
+        said = f"--at={spike} is not allowed" if at is not None else f"its spike is at {spike}"
+        raise ValueError(f"{said}: {run_dir} ends at model step {last}, no step after it to "
+                         f"replay; allowed: --at a model step from 1 to {last - 1}")  # fmt: skip
+    end = min(spike + steps, last)
     start = max((s for s in _checkpoints(run_dir) if s < spike), default=0)
     planted = bool(saved.get("fault", {}).get("enabled")) and saved["fault"].get("kind") != "none"
     todo = list(remedies)

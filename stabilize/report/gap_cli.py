@@ -72,12 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from stabilize.report.gap import bisection_words, judge, tail_words
     from stabilize.report.load import load_run_dir
+    from stabilize.report.rundirs import check_run_dirs
 
     if args.window is not None and args.window < 1:
         print(f"stabilize-gap: --window={args.window} is not allowed; must be a positive "
               "integer", file=sys.stderr)  # fmt: skip
         return EXIT_CONFIG
     try:
+        # each dir a finished run, ours or a loop of the user's, scored held out where its
+        # config asked for it: a foreign or unfinished reference has no score to pair with
+        # the run's, and the verdict would fall on the run
+        check_run_dirs(args.run, args.reference, scored=False, own_loop=True)
         run = load_run_dir(args.run)
         refs = [load_run_dir(r) for r in args.reference]
     except (FileNotFoundError, ValueError) as e:
