@@ -128,6 +128,8 @@ CASES = [
      "--tail=4 is not allowed: {d}/good ends at model step 4, nothing after it to retrain"),
     ("replay", "--tail 2 {d}/damaged --reference {d}/good {d}/good",
      "{d}/damaged/checkpoints/step-000002.ckpt is not a whole checkpoint ("),
+    ("replay", "--tail 2 {d}/good --reference {d}/good",
+     "--tail needs 2 or more --reference run dirs (their seed noise bounds the share"),
     ("replay", "--tail 2 {d}/good --reference {d}/good {d}/killed",
      "--reference {d}/killed: not a finished run (result.json: status preempted"),
     ("replay", "--gap {d}/short --reference {d}/good {d}/good",

@@ -50,6 +50,7 @@ def _loads(saved: dict):
 
     return RunConfig.from_saved(saved)
 
+
 # sites of the run, not of a module, each switched back by its own key
 LOSS = "loss"  # model.loss_dtype=logits -> fp32
 MASTER = "optim.master"  # bf16-true without a master copy -> optim.master_dtype=fp32
@@ -300,6 +301,9 @@ def tail(run_dir: Path, refs: list[Path], start: int) -> dict[str, Any]:
     from stabilize.model.fp32_sites import sites
 
     check_run_dirs(run_dir, refs, loads=_loads)
+    if len(refs) < 2:  # before the replay: its share is stated +- the reference's seed noise
+        raise ValueError(f"--tail needs 2 or more --reference run dirs (their seed noise "
+                         f"bounds the share recovered); got {len(refs)}")  # fmt: skip
     run_score = json.loads((run_dir / "final_eval.json").read_text())["loss"]
     ref_scores = [json.loads((r / "final_eval.json").read_text())["loss"] for r in refs]
     ref_precision = json.loads((refs[0] / "config.json").read_text())["precision"]
