@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,15 @@ PROGRESS_EVERY_S = 10.0
 
 
 def held_out_score(
-    module, trainer, max_batches: int | None, max_tokens: int | None = None
+    module,
+    trainer,
+    max_batches: int | None,
+    max_tokens: int | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> dict[str, Any] | None:
     """Score ``module.model`` on the held-out blocks; every rank must call this. None when
-    nothing is held out (``data.val_fraction=0`` and no validation split)."""
+    nothing is held out (``data.val_fraction=0`` and no validation split). ``tick()`` after
+    each batch: the watchdog's progress (a long eval moves, a frozen one does not)."""
     cfg = module.cfg
     rank, world = trainer.global_rank, trainer.world_size
     _, val = build_dataloaders(
@@ -83,6 +89,8 @@ def held_out_score(
                         [nats.double(), torch.tensor(float(y.numel()), device=device).double(),
                          torch.as_tensor(nb, device=device).double()]
                     )  # fmt: skip
+                if tick is not None:
+                    tick()
     finally:
         model.train(was_training)
     nats, tokens, nbytes = trainer.strategy.reduce(sums, reduce_op="sum").tolist()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,19 +18,20 @@ import lightning as L
 import torch
 
 from stabilize.compat import wandb_started
+from stabilize.elastic import PeerLost, peer_lost_line
 from stabilize.lit import final_eval
 from stabilize.lit.build import build_trainer, resolve_accelerator
-from stabilize.lit.checkpoint import resolve_resume
+from stabilize.lit.checkpoint import PeriodicCheckpoint, resolve_resume
 from stabilize.lit.module import GPTLitModule
 from stabilize.lit.preempt import Preempted
-from stabilize.lit.watchdog import Watchdog
+from stabilize.lit.watchdog import Watchdog, gone_ranks
 from stabilize.norms import Norm
 from stabilize.run.config import RunConfig
 from stabilize.run.preflight import preflight
 from stabilize.run.quiet import quiet
 from stabilize.run.rundir import (
     RunDirError,
-    already_finished,
+    at_the_end,
     checkpoint_steps,
     claim,
     stamp,
@@ -68,19 +70,12 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
     t = cfg.trainer
     try:
         ckpt = resolve_resume(cfg.resume, run_dir, cfg.resume_trusted)
-        done = ckpt and already_finished(
-            run_dir, ckpt, t.max_steps, t.stop_at_step, cfg.resume_trusted
-        )
+        end = ckpt and at_the_end(run_dir, ckpt, t.max_steps, t.stop_at_step, cfg.resume_trusted)
     except ValueError as e:  # no intact checkpoint, not a checkpoint: one line, exit 2
         raise RunDirError(str(e)) from None
-    if not done:
-        stamp(run_dir)  # accepted: the lock file names this launch from here on
-        swept = sweep_temporaries(run_dir)
-        if swept:
-            print(swept, file=sys.stderr, flush=True)
-    if done:
-        if _rank() == 0:
-            print(done, flush=True)
+    if end and _rank() == 0:
+        print(end.line, flush=True)
+    if end and end.finished:
         step, global_step = checkpoint_steps(ckpt, cfg.resume_trusted)
         return {
             "metrics": {},
@@ -90,34 +85,44 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
             "resumed_from": ckpt,
             "nothing_to_train": True,
         }
+    stamp(run_dir)  # accepted: the lock file names this launch from here on
+    swept = sweep_temporaries(run_dir)
+    if swept:
+        print(swept, file=sys.stderr, flush=True)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir.mkdir(parents=True, exist_ok=True)
     if _rank() == 0:
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     with quiet(cfg.verbose):
         module = GPTLitModule(cfg)
-        trainer = build_trainer(cfg, list(callbacks))
+        trainer = build_trainer(cfg, [*callbacks, *([EndingOnly()] if end else [])])
+        dog = watchdog_of(trainer)
         if _rank() == 0:
-            print(describe(cfg, module, ckpt), flush=True)
+            print(describe(cfg, module, ckpt, ending=bool(end)), flush=True)
         wandb_dir = None
         try:
             if trainer.is_global_zero and trainer.loggers:
                 for lg in trainer.loggers:
                     lg.log_hyperparams(cfg.to_dict())
             trainer.fit(module, ckpt_path=ckpt, weights_only=not cfg.resume_trusted)
+            score, fault = _ending(cfg, run_dir, module, trainer, dog)
         except BaseException as e:  # the report tells a finished run from one that stopped
             status = "aborted" if isinstance(e, StabilityAbort) else "failed"
             if isinstance(e, Preempted):
                 status = "preempted"
             error = f"{type(e).__name__}: {e}"
             _write_result(run_dir, status, module, trainer, error, fault_outcome(module))
-            raise
-        else:
-            score = _score_held_out(cfg, run_dir, module, trainer)
-            fault = fault_outcome(module, trainer)  # every rank: a collective
+            lost = peer_lost_line(e, _rank(), gone_ranks(run_dir, trainer.world_size, _rank()))
+            if lost is None:
+                raise
+            _say_peer_lost(lost, e, cfg.verbose)
+            raise PeerLost(lost) from e
         finally:
+            if dog is not None:
+                dog.close()  # done already, unless the run or its ending stopped
             wandb_dir = _finish_wandb(trainer)
-    _write_result(run_dir, "done", module, trainer, fault=fault)
+    ending = ["replicas.json", *(["final_eval.json"] if score is not None else [])]
+    _write_result(run_dir, "done", module, trainer, fault=fault, ending=ending)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if score is not None:
         metrics.update({"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]})
@@ -134,6 +139,42 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
     }
 
 
+class EndingOnly(L.Callback):
+    """A resume at the stop step whose ending is missing (``rundir.at_the_end``): the fit
+    loop stops before its first batch, so Lightning goes straight to every callback's
+    ``on_train_end`` (the replicas check, the audit) and the runner's ending follows."""
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.should_stop = True
+        # the checkpoint it resumed from holds this very state: the final save would write
+        # it again (minutes for a large model)
+        state = (pl_module.train_state.model_step, trainer.global_step)
+        for cb in trainer.callbacks:
+            if isinstance(cb, PeriodicCheckpoint):
+                cb._saved = state
+
+
+def _ending(cfg: RunConfig, run_dir: Path, module, trainer, dog: Watchdog | None):
+    """After fit (whose ``on_train_end`` callbacks ran the replicas check, the audit and the
+    final save), every rank: the held-out score and the armed fault's outcome, the watchdog
+    marking each batch; then ``done``, past the run's last collective."""
+    if dog is not None:
+        dog.phase("final_eval")
+    score = _score_held_out(cfg, run_dir, module, trainer, dog.tick if dog else None)
+    fault = fault_outcome(module, trainer)  # every rank: a collective, the run's last
+    if dog is not None:
+        dog.finish()
+    return score, fault
+
+
+def _say_peer_lost(line: str, error: BaseException, verbose: bool) -> None:
+    """A peer's death in one line (gloo's own traceback only with ``verbose=true``): the
+    launch line and the dead rank's own exit say the rest."""
+    if verbose:
+        traceback.print_exception(error, file=sys.stderr)
+    print(f"stabilize-train: {line}", file=sys.stderr, flush=True)
+
+
 def _arch(m) -> str:
     return "GPT" if m.hf is None else {"llama": "Llama", "gpt2": "GPT-2"}[m.hf.arch]
 
@@ -145,11 +186,13 @@ def _norm_type(m, module) -> str:
     return str(norm_summary(module.model)["type"])
 
 
-def describe(cfg: RunConfig, module: GPTLitModule, ckpt: str | None) -> str:
+def describe(cfg: RunConfig, module: GPTLitModule, ckpt: str | None, ending=False) -> str:
     """The run in one line (in place of Lightning's model summary table)."""
     m, n = cfg.model, cfg.model.norm
     params = sum(p.numel() for p in module.model.parameters())
     start = f"resuming {ckpt}" if ckpt else f"{cfg.trainer.max_steps} steps"
+    if ending:
+        start = f"its ending alone, from {ckpt}"
     return (
         f"stabilize-train: {m.name} {_arch(m)} ({params:,} parameters, {m.n_layer} layers x "
         f"{m.d_model}), {_norm_type(m, module)} {n.placement} eps {n.eps:g} reduction "
@@ -174,10 +217,14 @@ def ended_with(module: GPTLitModule) -> dict[str, Any]:
     }
 
 
+def watchdog_of(trainer) -> Watchdog | None:
+    return next((c for c in trainer.callbacks if isinstance(c, Watchdog)), None)
+
+
 def rank_shares(trainer) -> list[dict[str, Any]] | None:
     """Per rank: own time per step and its share of the median rank's (lit/watchdog.py)."""
-    dogs = [c for c in trainer.callbacks if isinstance(c, Watchdog)]
-    return dogs[0].shares if dogs else None
+    dog = watchdog_of(trainer)
+    return dog.shares if dog else None
 
 
 def fault_outcome(module: GPTLitModule, trainer: L.Trainer | None = None) -> dict | None:
@@ -196,10 +243,12 @@ def fault_outcome(module: GPTLitModule, trainer: L.Trainer | None = None) -> dic
 
 
 def _write_result(
-    run_dir: Path, status: str, module, trainer, error: str | None = None, fault=None
+    run_dir: Path, status: str, module, trainer, error: str | None = None, fault=None, ending=()
 ) -> None:
-    """run_dir/result.json: how the run ended (done | aborted | failed), at which steps, the
-    state its remedies left (``ended_with``) and what its armed fault did (``fault``)."""
+    """run_dir/result.json: how the run ended (done | aborted | failed | preempted), at which
+    steps, the state its remedies left (``ended_with``), what its armed fault did
+    (``fault``) and, when done, the files its ending wrote (``ending``: a resume checks
+    them, ``rundir.ending_missing``)."""
     if _rank() != 0:
         return
     result = {
@@ -210,17 +259,21 @@ def _write_result(
         "ended_with": ended_with(module),
         "ranks": rank_shares(trainer),
         "fault": fault,
+        **({"ending": list(ending)} if status == "done" else {}),
     }
     (run_dir / "result.json").write_text(json.dumps(result, indent=2))
 
 
-def _score_held_out(cfg: RunConfig, run_dir: Path, module, trainer: L.Trainer) -> dict | None:
+def _score_held_out(
+    cfg: RunConfig, run_dir: Path, module, trainer: L.Trainer, tick=None
+) -> dict | None:
     """After training: the whole held-out split's loss and bits per byte (final_eval.json,
-    and ``final/val_*`` in the loggers at the last step)."""
+    and ``final/val_*`` in the loggers at the last step); ``tick()`` after each batch."""
     n = cfg.trainer.final_eval_batches
     if n == 0:
         return None
-    score = final_eval.held_out_score(module, trainer, n, cfg.trainer.final_eval_tokens)
+    t = cfg.trainer
+    score = final_eval.held_out_score(module, trainer, n, t.final_eval_tokens, tick=tick)
     if score is not None and trainer.is_global_zero:
         final_eval.write(run_dir, score)
         metrics = {"final/val_loss": score["loss"], "final/val_bpb": score["bpb"]}

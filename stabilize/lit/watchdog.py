@@ -15,16 +15,23 @@ the others, through the run dir every rank shares:
 
 With one process the watchdog only dumps the stacks and logs one line per stall (nothing
 else waits on it: it may be a breakpoint). With more, when a rank's own progress has not
-moved for the timeout (``trainer.hang_timeout_s``; by
-default ``max(60 s, 5 x the median step)``, ten times that while a rank saves a checkpoint
-or validates), it names the culprits from the others' files: ranks whose thread is silent
-too (the process is stopped or frozen), else the ranks behind the rest, else every rank
-(all stopped at one point: a collective that not all ranks entered). The lowest rank that
-is not a culprit prints one line, writes ``result.json`` (status ``hung``, the culprits
-with their last step), SIGKILLs culprits on its host whose thread is silent (torchrun
-would wait 30 s more for them) and exits 5 (``stabilize/exits.py``); the others exit 5
-after it. torch.distributed's own timeout (``trainer.pg_timeout_s``) stays the backstop
-before the first step and after the last.
+moved for the timeout (``trainer.hang_timeout_s``; by default ``max(60 s, 5 x the median
+step)``, ten times that while a rank saves, validates or is in the run's ending), it names
+the culprits from the others' files: ranks
+whose thread is silent too (the process is stopped or frozen), else the ranks behind the
+rest, else every rank (all stopped at one point: a collective that not all ranks entered).
+A silent rank is named after one timeout in any phase: a rank busy in a long save keeps
+its thread beating, a frozen one does not, so the long allowance never waits on it. The
+lowest rank that is not a culprit prints one line, writes ``result.json`` (status ``hung``,
+the culprits with their last step), SIGKILLs culprits on its host whose thread is silent
+(torchrun would wait 30 s more for them) and exits 5 (``stabilize/exits.py``); the others
+exit 5 after it.
+
+The ending is watched too (the ranks still meet in collectives there: the straggler shares,
+the replicas check, a final save, the final eval, the fault's outcome): phases ``ending``
+(the end-of-training callbacks), ``final_save``, ``final_eval`` (lit/runner.py, a tick per
+batch), until the runner marks ``done`` after the last collective. torch.distributed's own
+timeout (``trainer.pg_timeout_s``) stays the backstop before the first step.
 
 The same files give the straggler figures: each rank's own time per step (waiting for its
 batch plus its forward, where no collective runs under DDP) as a share of the median rank's,
@@ -52,15 +59,16 @@ import torch
 
 from stabilize.exits import EXIT_HUNG
 from stabilize.io import atomic_write_text
-from stabilize.run.summary import STRAGGLER_SHARE
+from stabilize.run.summary import straggler_line
 
 log = logging.getLogger(__name__)
 RANKS_DIR = "ranks"
 MIN_TIMEOUT_S = 60.0
 STEP_FACTOR = 5.0
-SLOW_PHASES = ("save", "validation")  # a rank here gets SLOW_FACTOR timeouts
+ENDING = ("ending", "final_save", "final_eval")  # after the last step, in this order
+SLOW_PHASES = ("save", "validation", *ENDING)  # a rank here gets SLOW_FACTOR timeouts
 SLOW_FACTOR = 10.0
-PHASES = ("start", "backward", "end", "validation", "save", "done")
+PHASES = ("start", "backward", "end", "validation", "save", *ENDING, "done")
 
 
 def beat_path(run_dir: str | os.PathLike, rank: int) -> Path:
@@ -89,14 +97,28 @@ class Watchdog(L.Callback):
         self._lock = threading.Lock()  # the beat file: written by both threads
         self._alive, self._written, self._poll = 0, 0.0, 0.2
         self._thread: threading.Thread | None = None
+        self._ending = False  # past the last step: the ending's phases
         self._stacks = None
         self.shares: list[dict[str, Any]] | None = None  # per rank, at the end of training
         self._straggler_said = False
 
     # --- the main thread: marks -------------------------------------------------------
     def _set(self, trainer, phase: str) -> None:
+        step = self.mark[3] if trainer is None else trainer.global_step
         self.ticks += 1
-        self.mark = (self.batches, PHASES.index(phase), phase, trainer.global_step, self.ticks)
+        self.mark = (self.batches, PHASES.index(phase), phase, step, self.ticks)
+
+    def _rearm(self) -> None:
+        if self._stacks is not None:  # the C-level timer: a dump if the main thread stalls
+            faulthandler.dump_traceback_later(self.timeout() * SLOW_FACTOR, file=self._stacks)
+
+    def _enter(self, trainer, phase: str) -> None:
+        """A save or a phase of the ending: its beat now, not at the next poll (a rank
+        frozen there is named with the phase it froze in)."""
+        self._set(trainer, phase)
+        if self._thread is not None:
+            self._write_beat()
+        self._rearm()
 
     def on_train_start(self, trainer, pl_module):
         self.rank, self.world = trainer.global_rank, trainer.world_size
@@ -129,25 +151,42 @@ class Watchdog(L.Callback):
         self._set(trainer, "end")
         if now - self._written > self._poll:  # the file keeps up with fast steps too
             self._write_beat()
-        if self._stacks is not None:  # the C-level timer: a dump if no batch ends in time
-            faulthandler.dump_traceback_later(self.timeout() * SLOW_FACTOR, file=self._stacks)
+        self._rearm()
 
     def on_validation_batch_end(self, trainer, *args, **kwargs):
         if self._thread is not None:  # in fit, not the final held-out score
             self._set(trainer, "validation")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
-        self._set(trainer, "save")
+        self._enter(trainer, "final_save" if self._ending else "save")
 
     def on_train_end(self, trainer, pl_module):
-        self._set(trainer, "done")
-        self._close()
+        # the end-of-training callbacks after this one still meet the other ranks
+        self._ending = True
+        self.model_step = pl_module.train_state.model_step
+        self._enter(trainer, "ending")
         self.shares = self._gather_shares(trainer)
 
     def on_exception(self, trainer, pl_module, exception):
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
+    # --- the runner's ending, after fit -----------------------------------------------
+    def phase(self, name: str) -> None:
+        """Mark one of the ending's phases (``final_eval``)."""
+        self._enter(None, name)
+
+    def tick(self) -> None:
+        """Progress inside a phase (a final-eval batch): the watch sees the rank moving."""
+        self._set(None, self.mark[2])
+
+    def finish(self) -> None:
+        """After the run's last collective: no rank waits on another any more."""
+        self._set(None, "done")
+        self.close()
+
+    def close(self) -> None:
+        if self._thread is None and self._stacks is None:
+            return  # never started, or closed already
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -169,13 +208,15 @@ class Watchdog(L.Callback):
         return max(MIN_TIMEOUT_S, STEP_FACTOR * median)
 
     # --- straggler shares -------------------------------------------------------------
-    def _gather_shares(self, trainer) -> list[dict[str, Any]]:
+    def _gather_shares(self, trainer) -> list[dict[str, Any]] | None:
         mine = torch.tensor([self.own_s, float(self.own_steps)], dtype=torch.float64)
         if self.world > 1:
             mine = mine.to(trainer.strategy.root_device)
             rows = trainer.strategy.all_gather(mine).reshape(-1, 2).cpu().tolist()
         else:
             rows = [mine.tolist()]
+        if not any(n for _, n in rows):  # a launch that ran only the ending: no figure
+            return None
         per_step = [s / max(n, 1.0) for s, n in rows]
         median = statistics.median(per_step) or 1.0
         return [
@@ -223,20 +264,27 @@ class Watchdog(L.Callback):
                     seen[r] = (b.get("alive"), now)
                 if moved.get(r, (None,))[0] != b.get("mark"):
                     moved[r] = (b.get("mark"), now)
-            limit = self.timeout()
+            base = limit = self.timeout()
             phases = {b["mark"][2] for b in beats.values() if len(b.get("mark", [])) >= 4}
-            if phases & set(SLOW_PHASES):
+            slow = bool(phases & set(SLOW_PHASES))
+            if slow:
                 limit *= SLOW_FACTOR
-            if "done" in phases:  # one rank finished training: the rest is the pg timeout's
+            if "done" in phases:  # a rank is past the last collective: nothing waits now
                 self._stop.wait(1.0)
                 continue
             stalled = now - moved[self.rank][1]
-            if self.own_steps and stalled > limit and self.world == 1:
+            # before the first step (start-up, loading) the pg timeout is the backstop
+            watched = self.own_steps or self._ending
+            # silent: its thread too (stopped, frozen); a full timeout where a long save or
+            # eval may hold the interpreter for a while
+            quiet = base if slow else base / 2
+            silent = [r for r in beats if r != self.rank and now - seen[r][1] > quiet]
+            if watched and stalled > limit and self.world == 1:
                 if said != moved[self.rank][1]:  # once per stall: nobody else waits on it
                     said = moved[self.rank][1]
                     self._stall_alone(stalled, limit)
-            elif self.own_steps and stalled > limit:
-                self._declare(beats, seen, now, stalled, limit)
+            elif watched and (stalled > limit or (silent and stalled > base)):
+                self._declare(beats, silent, stalled, limit if stalled > limit else base)
                 return
             # from the step's own timeout, not a save's longer allowance: beats stay frequent
             self._poll = min(5.0, max(0.2, self.timeout() / 20))
@@ -252,8 +300,7 @@ class Watchdog(L.Callback):
             f"{step} ({phase}); stacks in {self.run_dir / RANKS_DIR}/; one process: not aborting"
         )
 
-    def _declare(self, beats, seen, now, stalled: float, limit: float) -> None:
-        silent = [r for r in beats if r != self.rank and now - seen[r][1] > limit / 2]
+    def _declare(self, beats, silent: list[int], stalled: float, limit: float) -> None:
         marks = {r: tuple(b["mark"][:2]) for r, b in beats.items() if len(b.get("mark", [])) >= 4}
         if silent:
             culprits = silent
@@ -287,23 +334,29 @@ class Watchdog(L.Callback):
         os._exit(EXIT_HUNG)
 
 
-STRAGGLER_STEPS = 20  # ... once every rank has this many steps behind its figure
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie its parent (torchrun) has not reaped yet."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: it runs
+        return False
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return False
 
 
-def straggler_line(beats: dict[int, dict]) -> str | None:
-    """The ranks whose own time per step (``own_s / steps`` in their beats) is at least
-    ``STRAGGLER_SHARE`` x the median rank's, as one line; None when there are none yet."""
-    per = {r: b["own_s"] / b["steps"] for r, b in beats.items()
-           if b.get("steps", 0) >= STRAGGLER_STEPS and "own_s" in b}  # fmt: skip
-    if len(per) < 2 or len(per) < len(beats):
-        return None
-    median = statistics.median(per.values()) or 1.0
-    slow = {r: t / median for r, t in per.items() if t / median >= STRAGGLER_SHARE}
-    if not slow:
-        return None
-    cells = ", ".join(f"rank {r} {1e3 * per[r]:.1f} ms ({s:.2f}x)" for r, s in sorted(slow.items()))
-    return (f"[watchdog] straggler: {cells} against the median rank's {1e3 * median:.1f} ms "
-            "of own time per step (batch wait + forward)")  # fmt: skip
+def gone_ranks(run_dir: str | os.PathLike, world: int, me: int) -> list[int]:
+    """The other ranks on this host whose process has died, from their beats (pid, host):
+    whom a collective that broke mid-way lost. Ranks on other hosts are not known here."""
+    here, gone = socket.gethostname(), []
+    for r in range(world):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            beat = json.loads(beat_path(run_dir, r).read_text())
+            if r != me and beat.get("host") == here and _gone(int(beat["pid"])):
+                gone.append(r)
+    return gone
 
 
 def _brief(beat: dict) -> dict:

@@ -3,7 +3,8 @@
 A launch that would start fresh (``resume=none``) in a directory that already holds a run
 is refused before anything is written, naming the ways on; ``resume=restart`` moves the
 earlier run's files aside into ``replaced-<time>/`` and starts over; ``resume=auto``
-continues the run, and says so (training nothing) when it is already finished.
+continues the run, and says so (training nothing) when it is already finished, or runs its
+ending alone when it stopped at its last step before the ending was whole (``at_the_end``).
 
 Under torchrun every rank shares the run dir and rank 0 writes ``config.json``, so only
 rank 0 looks and acts: a rank that looked later could find rank 0's fresh files and take
@@ -21,7 +22,7 @@ import shutil
 import socket
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from stabilize.validate import ConfigError
 
@@ -256,27 +257,67 @@ def checkpoint_steps(path: str | os.PathLike, trusted: bool = False) -> tuple[in
         ) from None
 
 
-def already_finished(
+# What a run's ending writes after its last step (lit/runner.py): result.json "done" comes
+# last, and its "ending" names the files this ending wrote (no final_eval.json when nothing is
+# held out)
+ENDING_FILES = ("replicas.json", "final_eval.json")
+
+
+class AtTheEnd(NamedTuple):
+    finished: bool  # True: nothing left to do; False: the ending is left to run
+    line: str
+
+
+def _result(run_dir: str | os.PathLike) -> dict:
+    with contextlib.suppress(OSError, ValueError):
+        result = json.loads((Path(run_dir) / "result.json").read_text())
+        if isinstance(result, dict):
+            return result
+    return {}
+
+
+def ending_missing(run_dir: str | os.PathLike, model_step: int) -> list[str]:
+    """What the run's ending has left to write at ``model_step``: nothing when result.json
+    says "done" at that step and every file it names in ``ending`` is there; else result.json
+    "done" and the ending's files that are missing. A "done" at another step is an earlier
+    launch's (one that stopped at a lower ``trainer.max_steps``): it proves nothing now."""
+    d = Path(run_dir)
+    result = _result(d)
+    done = result.get("status") == "done" and result.get("model_step") == model_step
+    wrote = result.get("ending", ()) if done else ENDING_FILES
+    missing = [] if done else ['result.json "done"']
+    return missing + [f for f in wrote if not (d / f).is_file()]
+
+
+def at_the_end(
     run_dir: str | os.PathLike,
     ckpt: str | os.PathLike,
     max_steps: int,
     stop_at: int | None,
     trusted: bool = False,
-) -> str | None:
-    """A line saying the run is finished when the checkpoint's model step has reached the
-    step this launch would stop at (``trainer.max_steps``, or ``trainer.stop_at_step``);
-    None when there is training left to do. Training on would take one more step than
-    asked (the stop is checked after a step) and overwrite ``last.ckpt``."""
+) -> AtTheEnd | None:
+    """None when the checkpoint's model step is short of the step this launch would stop at
+    (``trainer.max_steps``, or ``trainer.stop_at_step``): training is left to do. At that
+    step, the run is finished only when its ending is whole (``ending_missing``): then one
+    line saying so, and nothing to do (training on would take one more step than asked: the
+    stop is checked after a step). Its ending missing (a preemption on the last step, a rank
+    lost in the final save, a kill in the final eval): one line saying what is missing, and
+    the launch runs the ending alone from the checkpoint, without a training step."""
     model_step, _ = checkpoint_steps(ckpt, trusted)
     target, key = max_steps, "trainer.max_steps"
     if stop_at is not None and stop_at < max_steps:
         target, key = stop_at, "trainer.stop_at_step"
     if model_step < target:
         return None
-    status = "unknown (no result.json)"
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        status = json.loads((Path(run_dir) / "result.json").read_text()).get("status", status)
-    return (
-        f"run dir {run_dir} is finished (status {status}): {ckpt} is at model step "
-        f"{model_step} and {key}={target}; nothing to train (raise {key} to train on)"
-    )
+    status = _result(run_dir).get("status", "unknown (no result.json)")
+    missing = ending_missing(run_dir, model_step)
+    if not missing:
+        return AtTheEnd(True, (
+            f"run dir {run_dir} is finished (status {status}): {ckpt} is at model step "
+            f"{model_step} and {key}={target}; nothing to train (raise {key} to train on)"
+        ))  # fmt: skip
+    return AtTheEnd(False, (
+        f"run dir {run_dir} stopped at model step {model_step} ({key}={target}) before its "
+        f"ending was whole (status {status}; missing: {', '.join(missing)}): running the "
+        f"ending alone from {ckpt} (replicas check, final eval, result.json), no training step"
+    ))  # fmt: skip

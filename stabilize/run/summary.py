@@ -2,7 +2,7 @@
 rollback (step, the verdict that caused it, the snapshot it went back to, the remedy) and
 the config the run ended with where a remedy changed it; for a run the policy stopped
 (``abort_summary``), the verdict it gave up on, the rollbacks before it, the layers nearest
-the line and where the whole diagnosis is.
+the line and where the whole diagnosis is; and the straggler line the watchdog logs live.
 
 Read from what the run left: ``events.jsonl`` (each rollback event, and the verdict event
 just before it, at the same step), and the state ``runner.ended_with`` read off the live
@@ -12,6 +12,7 @@ module (the LR scale, the norms' reduction dtypes, the data position). No Lightn
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,26 @@ def ranks_line(ranks: list[dict[str, Any]]) -> str:
     slow = [r["rank"] for r in ranks if r["share"] >= STRAGGLER_SHARE]
     tail = f"; straggler: rank {', '.join(map(str, slow))}" if slow else ""
     return "own time per step (batch wait + forward): " + ", ".join(cells) + tail
+
+
+# the watchdog's live line (lit/watchdog.py): once every rank has this many steps behind it
+STRAGGLER_STEPS = 20
+
+
+def straggler_line(beats: dict[int, dict]) -> str | None:
+    """From the watchdog's beats: the ranks whose own time per step (``own_s / steps``) is
+    at least ``STRAGGLER_SHARE`` x the median rank's, as one line; None when none are yet."""
+    per = {r: b["own_s"] / b["steps"] for r, b in beats.items()
+           if b.get("steps", 0) >= STRAGGLER_STEPS and "own_s" in b}  # fmt: skip
+    if len(per) < 2 or len(per) < len(beats):
+        return None
+    median = statistics.median(per.values()) or 1.0
+    slow = {r: t / median for r, t in per.items() if t / median >= STRAGGLER_SHARE}
+    if not slow:
+        return None
+    cells = ", ".join(f"rank {r} {1e3 * per[r]:.1f} ms ({s:.2f}x)" for r, s in sorted(slow.items()))
+    return (f"[watchdog] straggler: {cells} against the median rank's {1e3 * median:.1f} ms "
+            "of own time per step (batch wait + forward)")  # fmt: skip
 
 
 def abort_summary(diagnosis: dict[str, Any], events: list[dict[str, Any]], run_dir) -> list[str]:
