@@ -50,10 +50,10 @@ def probe(args: list[str], cwd, cache) -> dict:
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """A cache dir holding this source's config nodes, made by a first launch (which builds
-    them: the dataclasses load torch and the data stack)."""
+    them: the dataclasses load torch; ``datasets`` only where a corpus is loaded)."""
     d = tmp_path_factory.mktemp("cache")
     first = probe(["--help"], d, d)
-    assert first["code"] == 0 and first["heavy"] == ["datasets", "torch"], first
+    assert first["code"] == 0 and first["heavy"] == ["torch"], first
     assert len(list((d / "config-nodes").glob("*.json"))) == 1
     return d
 
@@ -84,9 +84,9 @@ def test_the_cached_nodes_are_the_dataclasses_and_follow_the_source(monkeypatch,
     [
         (["--help"], 0, []),
         (["model.typo=3"], 2, []),  # Hydra's own error: before the app runs
-        # our config check (RunConfig): the config needs torch and the data stack, not
-        # Lightning nor W&B
-        (["norm.type=groupnorm"], 2, ["datasets", "torch"]),
+        # our config check (RunConfig): the config needs torch, not Lightning, W&B nor
+        # datasets (loaded only where a corpus is: not for a cached one)
+        (["norm.type=groupnorm"], 2, ["torch"]),
     ],
 )
 def test_help_and_config_errors_import_no_training_stack(args, code, allowed, cache, tmp_path):

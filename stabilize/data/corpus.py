@@ -16,9 +16,10 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
+if TYPE_CHECKING:  # the module is imported where a corpus is loaded: a cached run needs none
+    import datasets
 
 from stabilize.compat import dataset_fingerprint
 from stabilize.data.config import SUFFIX_BUILDERS, DataConfig
@@ -29,6 +30,8 @@ DOC_SEPARATOR = "\n\n"
 
 
 def _is_text(feature: Any) -> bool:
+    import datasets
+
     return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")
 
 
@@ -50,6 +53,8 @@ def require_column(ds: datasets.Dataset, text_field: str) -> None:
 
 def _cap_chars(ds: datasets.Dataset, text_field: str, max_chars: int | None) -> datasets.Dataset:
     """The first documents up to max_chars characters, the last one cut to fit."""
+    import datasets
+
     if max_chars is None:
         return ds
     total = 0
@@ -76,6 +81,8 @@ def embedded_corpus(max_chars: int | None = None) -> datasets.Dataset:
     """
     from pydoc_data.topics import topics  # lazily: only this source needs it
 
+    import datasets
+
     keys = sorted(topics)  # insertion order is an implementation detail; sorted is not
     ds = datasets.Dataset.from_dict({"topic": keys, "text": [topics[k] for k in keys]})
     return _cap_chars(ds, "text", max_chars)
@@ -84,6 +91,8 @@ def embedded_corpus(max_chars: int | None = None) -> datasets.Dataset:
 def _load_hub(cfg: DataConfig, split: str | None = None) -> datasets.Dataset | None:
     """The ``split`` of the hub dataset (default ``cfg.split``); None when ``split`` is given
     and the dataset does not have it (the optional validation split)."""
+    import datasets
+
     optional = split is not None
     split = split or cfg.split
     # load_dataset refuses save_to_disk directories ("use load_from_disk instead"); those
@@ -129,6 +138,8 @@ def corpus_name(cfg: DataConfig) -> str:
 
 
 def _load_files(cfg: DataConfig, paths: list[str], key: str) -> datasets.Dataset:
+    import datasets
+
     # datasets fails on an empty file with an unhelpful error (or a bare StopIteration):
     # empty files hold no documents, so they are left out, and none at all is an empty corpus.
     files = [p for p in paths if os.path.getsize(p) > 0]
@@ -289,7 +300,9 @@ def corpus_identity(cfg: DataConfig) -> dict[str, Any]:
     ident: dict[str, Any] = {"source": cfg.source, "text_field": cfg.text_field}
     ident["max_chars"] = cfg.max_chars
     if cfg.source == "embedded":
-        text = "\x00".join(embedded_corpus()["text"])
+        from pydoc_data.topics import topics  # embedded_corpus's text, without datasets
+
+        text = "\x00".join(topics[k] for k in sorted(topics))
         ident["sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
     elif cfg.source == "local":
         ident["files"] = _file_ids(cfg.paths)

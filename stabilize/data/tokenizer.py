@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import datasets
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # annotations only
+    import datasets
 
 from stabilize.data.corpus import DOC_SEPARATOR, require_column
 from stabilize.registry import Registry

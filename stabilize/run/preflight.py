@@ -200,16 +200,27 @@ def check_data(cfg: RunConfig, world: int) -> None:
 
 @contextmanager
 def _quiet_datasets() -> Iterator[None]:
-    """No datasets progress bars on stderr from the check (an error must stay one line)."""
-    from datasets.utils import logging as ds_logging
+    """No datasets progress bars on stderr from the check (an error must stay one line).
+    A cached corpus needs no ``datasets`` at all: it is not imported for this (about a
+    second of every start and restart, 2 cores); one imported inside reads the variable."""
+    import sys
 
-    was_on = ds_logging.is_progress_bar_enabled()
-    ds_logging.disable_progress_bar()
+    key = "HF_DATASETS_DISABLE_PROGRESS_BARS"
+    ds = sys.modules.get("datasets")
+    was_on = ds is not None and ds.utils.logging.is_progress_bar_enabled()
+    saved = os.environ.get(key)
+    if ds is not None:
+        ds.utils.logging.disable_progress_bar()
+    else:
+        os.environ[key] = "1"
     try:
         yield
     finally:
-        if was_on:
-            ds_logging.enable_progress_bar()
+        if saved is None:
+            os.environ.pop(key, None)
+        ds = sys.modules.get("datasets")
+        if ds is not None and (was_on or saved is None):
+            ds.utils.logging.enable_progress_bar()
 
 
 def check_resume(resume: str, strategy: str = "auto", trusted: bool = False) -> None:
