@@ -102,6 +102,8 @@ COMMANDS: dict[str, str] = {
     # docs/memory.md
     "plan-1.3b": "stabilize-plan model=gpt-1.3b precision=fp16-mixed data.batch_size=16 "
     "plan.gpu=a100-80gb plan.gpus_per_node=8 rollback.keep=3",
+    # docs/operations.md
+    "soak": "python scripts/soak.py",
     # docs/rollback.md
     "poisoned-item": "stabilize-train fault=poisoned_item fault.item=117 data.max_chars=20000 "
     "data.batch_size=8 model.block_size=64 trainer.max_steps=8",
