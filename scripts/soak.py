@@ -53,7 +53,11 @@ def faults(steps: int) -> dict[str, list[str]]:
         "inf_grad": ["fault=inf_grad", f"fault.step={at}", "fault.param=h.1.mlp.c_fc.weight"],
         "grad_spike": ["fault=grad_spike", f"fault.step={at}", "fault.factor=1e4"],
         "poisoned_item": ["fault=poisoned_item", f"fault.step={at}"],
-        "stream_drift": ["fault=stream_drift", f"fault.step={at}"],
+        "stream_drift": [
+            "fault=stream_drift",
+            f"fault.step={at}",
+            f"fault.target_step={at + max(1, steps // 3)}",
+        ],
     }
 
 
@@ -171,7 +175,8 @@ def soak(name: str, run_dir: Path, overrides: list[str], args, rng: random.Rando
     launches, human, rc, t_start = 0, False, None, time.monotonic()
     pending: dict | None = None  # the interruption whose restart is not seen yet
     log: list[tuple[float, str]] = []
-    while launches < args.max_launches and rc != 0 and not human:
+    # 0: done; 2: a config error (a requeue changes nothing); else requeued
+    while launches < args.max_launches and rc not in (0, 2) and not human:
         resume = "resume=auto" if launches else "resume=none"  # a scheduler's requeue
         launch = Launch(run_dir, [*overrides, resume], args.restarts, log)
         launches += 1
