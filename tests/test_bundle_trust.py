@@ -183,6 +183,30 @@ def test_a_swapped_or_truncated_file_is_refused(bundle, tmp_path, capsys):
     _refused(capsys, tmp_path, ["--bisect", str(b)], "state.pt: does not load")
 
 
+class _Payload:
+    """Unpickled, it would run a shell command: what a swapped ``state.pt`` can hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_swapped_file_holding_code_is_refused_before_it_runs(bundle, tmp_path, capsys):
+    """``state.pt`` swapped for a pickle that calls ``os.system``, its manifest recomputed:
+    the file is whole, so only ``weights_only`` stands between it and the shell."""
+    b = _tampered(bundle, tmp_path)
+    marker = tmp_path / "MARKER"
+    state = torch.load(b / "state.pt", weights_only=True)
+    torch.save({**state, "extra": _Payload(marker)}, b / "state.pt")
+    _remanifest(b)
+    for flags in ([], ["--bisect"], ["--data"]):
+        _refused(capsys, tmp_path, [*flags, str(b)], "state.pt is refused: it needs the global",
+                 "system")  # fmt: skip
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize(
     ("field", "value", "words"),
     [

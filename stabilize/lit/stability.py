@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
@@ -47,6 +48,26 @@ from stabilize.stability.localize import first_named, locate
 from stabilize.stability.probe import StabilityProbe
 from stabilize.stability.sink import EventSink
 from stabilize.stability.view import norm_summary, view_of
+
+
+def _every_rank(value) -> list | None:
+    """``value`` of every rank, in rank order (None on one process). A collective: Lightning
+    calls a callback's ``state_dict`` on every rank at every checkpoint save."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _my_rank(values: list | None):
+    """This rank's entry of ``_every_rank``'s list (None: not saved, or another world)."""
+    dist = torch.distributed
+    if not values or not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank = dist.get_rank()
+    return values[rank] if len(values) == dist.get_world_size() else None
 
 
 def _sharded(trainer) -> bool:
@@ -437,11 +458,15 @@ class StabilityCallback(L.Callback):
     def state_dict(self) -> dict:
         """Saved in Lightning checkpoints: a resumed run keeps its monitors' windows, its
         rollback history (the ladder) and its fault's course."""
+        fault = self.injector.state_dict() if self.injector else None
         return {
             "monitors": self.suite.state_dict(),
             "policy": self.policy.state_dict(),
             "counts": dict(self.counts),
-            "fault": self.injector.state_dict() if self.injector else None,
+            "fault": fault,
+            # each rank's own course: a fault measures its rank's batch (a drift's starting
+            # level), and rank 0's alone in the file put rank 0's on every rank at a resume
+            "fault_ranks": _every_rank(fault),
             "transients": dict(self.controller.transients),
             # a module we did not write: its model steps and data position are ours to keep
             "host": self.host.saved() if self._driven else None,
@@ -452,7 +477,7 @@ class StabilityCallback(L.Callback):
         self.policy.load_state_dict(state["policy"])
         self.counts.update(state["counts"])
         self.controller.transients.update(state.get("transients", {}))
-        self._fault_state = state.get("fault")
+        self._fault_state = _my_rank(state.get("fault_ranks")) or state.get("fault")
         self._host_state = state.get("host")
         if self._driven and self._host_state:  # Lightning restores after setup
             self.host.load(self._host_state)
