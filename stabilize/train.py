@@ -44,11 +44,13 @@ from stabilize.exits import (
     one_line,
 )
 from stabilize.paths import config_dir
+from stabilize.registry import on_change
 from stabilize.run.rundir import RunDirError, check_name, claim, elastic_resume, unlock_all
 from stabilize.validate import ConfigError
 
 if TYPE_CHECKING:
     from stabilize.run.config import RunConfig
+    from stabilize.run.keys import Section
 
 CONFIG_DIR = config_dir()
 
@@ -106,9 +108,24 @@ _RELAUNCH: dict[str, str] = {}  # output dir -> its relaunch subdir, once decide
 
 OmegaConf.register_new_resolver("stabilize.relaunch_subdir", relaunch_subdir, replace=True)
 
+# The key table of ``--keys`` is read from the cache of this source, unless a registry may
+# hold a name from outside the package: one loaded before this module (a plugin, a test),
+# or one changed after the nodes below loaded the built-in names.
+REGISTRY_MODULES = ("stabilize.monitors", "stabilize.rollback", "stabilize.faults",
+                    "stabilize.norms")  # fmt: skip
+_keys_live = any(m in sys.modules for m in REGISTRY_MODULES)
+
 # The dataclasses' defaults, which every option file of configs/ starts from, stored before
 # any config is composed: by the CLI, and by whoever imports this module to compose configs/.
 store_defaults()
+
+
+def _registry_changed() -> None:
+    global _keys_live
+    _keys_live = True
+
+
+on_change(_registry_changed)
 
 
 def _sweep_group() -> str | None:
@@ -291,6 +308,8 @@ def main() -> None:
     global _launch_time
     _launch_time = None  # a launch of its own (tests launch several in one process)
     try:
+        if any(a == "--keys" or a.startswith("--keys=") for a in sys.argv[1:]):
+            sys.exit(print_keys(sys.argv[1:]))  # Hydra's parser has no such flag: before it
         _app()
     except (HydraException, OmegaConfBaseException) as e:
         msg = str(e).split("\nConfig search path:")[0]  # Hydra's, for a missing group option
@@ -326,6 +345,39 @@ def unknown_key(e: BaseException, overrides: Sequence[str]) -> str | None:
     if close:
         return line + f"; did you mean {' or '.join(prefix + k for k in close)}?"
     return line + f"; allowed: {', '.join(prefix + k for k in keys)}"
+
+
+def key_table() -> list[Section]:
+    """Every key of the config with its default, meaning and allowed values
+    (stabilize/run/keys.py), and what a bare ``stabilize-train`` composes where the default
+    options of configs/train.yaml set another value. Read from the cache of this source
+    (``_keys_live``): ``--keys`` loads no torch, as ``--help`` does not."""
+    from hydra import compose, initialize_config_dir
+
+    from stabilize.config_store import source_hash
+    from stabilize.run.keys import build_table, cached_table, with_composed
+
+    table = build_table() if _keys_live else cached_table(source_hash())
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        composed = OmegaConf.to_container(compose("train"), resolve=False)
+    return with_composed(table, composed)
+
+
+def print_keys(argv: Sequence[str]) -> int:
+    """``stabilize-train --keys [PREFIX]``: the keys under PREFIX (all without one), one a
+    line, ``key = default (context)  meaning [allowed: ...]``; a prefix no key has: one
+    line naming the close matches, exit 2."""
+    from stabilize.run.keys import UnknownPrefix, line, select
+
+    args = [a.removeprefix("--keys=") for a in argv if a != "--keys"]
+    if len(args) > 1:
+        _fail(EXIT_CONFIG, f"--keys takes one PREFIX (e.g. monitor.loss_scale), not {args}")
+    try:
+        keys = select(key_table(), args[0] if args else "")
+    except UnknownPrefix as e:
+        _fail(EXIT_CONFIG, str(e))
+    print("\n".join(line(k) for k in keys), flush=True)
+    return 0
 
 
 def _close_process_group() -> None:

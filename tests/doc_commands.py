@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "one-run": "stabilize-train model=tiny norm=rmsnorm norm.placement=post norm.eps=1e-5 "
     "norm.reduction_dtype=fp16 precision=fp16-mixed trainer.max_steps=50",
     "report-main": "stabilize-report runs/main/*",
+    "keys-loss-scale": "stabilize-train --keys monitor.loss_scale",
     "map": "stabilize-map",
     # docs/precision.md: the silent-gap drill (tests/test_silent_gap.py)
     "gap-refs": "for s in 1234 1235 1236; do stabilize-train experiment=main precision=fp32 "

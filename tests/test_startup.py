@@ -1,4 +1,4 @@
-"""``stabilize-train --help`` and config errors load no training stack.
+"""``stabilize-train --help``, ``--keys`` and config errors load no training stack.
 
 Each case runs the console script's ``main`` in a fresh interpreter and lists the modules it
 had imported when it exited: Hydra's app must not pull in Lightning (nor, for ``--help`` and
@@ -49,12 +49,14 @@ def probe(args: list[str], cwd, cache) -> dict:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """A cache dir holding this source's config nodes, made by a first launch (which builds
-    them: the dataclasses load torch; ``datasets`` only where a corpus is loaded)."""
+    """A cache dir holding this source's config nodes and key table, made by a first launch
+    (which builds them: the dataclasses load torch; ``datasets`` only where a corpus is
+    loaded)."""
     d = tmp_path_factory.mktemp("cache")
-    first = probe(["--help"], d, d)
+    first = probe(["--keys", "norm"], d, d)  # the key table of --keys is cached the same way
     assert first["code"] == 0 and first["heavy"] == ["torch"], first
     assert len(list((d / "config-nodes").glob("*.json"))) == 1
+    assert len(list((d / "config-keys").glob("*.json"))) == 1  # stabilize/run/keys.py
     return d
 
 
@@ -98,3 +100,14 @@ def test_help_and_config_errors_import_no_training_stack(args, code, allowed, ca
         assert out["stderr"].strip().startswith("stabilize-train: "), out["stderr"]
     if not allowed:
         assert not out["dist"]
+
+
+@pytest.mark.parametrize(
+    "args, code", [(["--keys", "monitor.loss_scale"], 0), (["--keys", "monitor.loss_scal"], 2)]
+)
+def test_keys_imports_no_training_stack(args, code, cache, tmp_path):
+    """``--keys`` answers from the cached table and the composed config, as ``--help`` does
+    (Hydra's parser never sees the flag)."""
+    out = probe(args, tmp_path, cache)
+    assert out["code"] == code, out["stderr"][-2000:]
+    assert out["heavy"] == [] and not out["lightning"] and not out["dist"], out

@@ -69,17 +69,30 @@ class GPTConfig:
     name: str = "custom"
     """The preset it came from (``PRESETS``), for logs and reports."""
     vocab_size: int = 256
+    """Rows of the token embedding (and of the tied head). Left at its preset's value it
+    follows ``data.tokenizer`` (except ``bytes``, whose 256 ids fit every preset); otherwise
+    it must hold the tokenizer's ids."""
     block_size: int = 128
     """The context length."""
     n_layer: int = 2
+    """Transformer blocks."""
     n_head: int = 4
+    """Attention heads per block (they split ``d_model``, which it must divide)."""
     d_model: int = 128
+    """The residual stream's width."""
     mlp_ratio: int = 4
+    """The MLP's hidden width, in multiples of ``d_model``."""
     dropout: float = 0.0
+    """Dropout probability on the embeddings, the attention weights and each sublayer's
+    output (0: off)."""
     bias: bool = True
+    """Biases in the attention and MLP projections (the head has none; a norm's beta is
+    ``norm.bias``)."""
     activation: str = "gelu_tanh"
     """gelu_tanh (GPT-2's "gelu_new") | gelu."""
     init_std: float = 0.02
+    """The std of the normal init of linear and embedding weights (GPT-2's; its residual
+    projections get std / sqrt(2 n_layer)); ``deepnorm`` uses DeepNet's init instead."""
     z_loss: float = 0.0
     """PaLM's z-loss coefficient: + z_loss * mean(log Z^2) on the loss; 0: off."""
     logit_softcap: float = 0.0

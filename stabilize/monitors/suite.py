@@ -21,6 +21,10 @@ class MonitorConfig:
     dataclass (``cfg.activation``, ``cfg.grad_spike``, ...). A section left out takes its
     registered defaults; an unknown one is refused with the registered names."""
 
+    enabled: bool
+    """Every monitor and the per-step statistics they read (false, ``monitor=off``: none,
+    the NaN check included)."""
+
     def __init__(self, enabled: bool = True, **sections: Any):
         self.enabled = enabled
 

@@ -53,8 +53,11 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled (AdamW); never on norms, biases or embeddings."""
     beta1: float = 0.9
+    """AdamW's decay of the gradient's running mean (first moment)."""
     beta2: float = 0.95
+    """AdamW's decay of the squared gradient's running mean (second moment)."""
     eps: float = 1e-8
+    """AdamW's epsilon, added to the square root of the second moment."""
     warmup_steps: int = 100
     """Linear warmup from 0, in optimizer steps."""
     schedule: str = "cosine"
@@ -118,10 +121,15 @@ class TrainerConfig:
     stop_at_step: int | None = None
     """Stop cleanly here, as if interrupted (resume=auto goes on)."""
     log_every_n_steps: int = 10
+    """Every N optimizer steps: a row of metrics (CSV, W&B), the console's step line and
+    the per-layer statistics of the stability probe (a log step)."""
     val_check_interval: int = 100
-    """In optimizer steps."""
+    """Validate every N optimizer steps."""
     limit_val_batches: int = 8
+    """Held-out batches scored at each validation (0: no validation; the final eval reads
+    its own, ``final_eval_batches``)."""
     checkpoint_every_n_steps: int = 100
+    """A ``step-NNNNNN.ckpt`` and ``last.ckpt`` every N model steps (lit/checkpoint.py)."""
     keep_checkpoints: int = 5
     """Periodic checkpoints kept, the newest (-1: all); last.ckpt always."""
     accelerator: str = "auto"
@@ -130,9 +138,11 @@ class TrainerConfig:
     """An int, or "auto" (under torchrun: taken from its environment, the processes per
     node)."""
     num_nodes: int = 1
+    """Nodes of the run (under torchrun: taken from its environment)."""
     strategy: str = "auto"
     """auto | ddp | fsdp."""
     deterministic: bool = False
+    """Lightning's ``deterministic``: torch's deterministic algorithms only (slower)."""
     progress: str = "auto"
     """auto (rich in a terminal, plain lines otherwise) | rich | plain | none."""
     compile: bool = False
@@ -197,12 +207,17 @@ class LoggerConfig:
     mode: str = "offline"
     """offline | online | disabled; the WANDB_MODE variable wins when set."""
     project: str = "stabilize"
+    """The W&B project."""
     entity: str | None = None
+    """The W&B entity (a user or team); None: W&B's default one."""
     group: str | None = None
     """None: the experiment name, or the sweep's name under -m (a multirun)."""
     job_type: str = "train"
+    """The W&B run's job type."""
     tags: list[str] = field(default_factory=list)
+    """W&B tags (a scenario's arm adds ``arm:<arm>``)."""
     name: str | None = None
+    """The W&B run's name; None: ``<name>-<arm>-<run dir's name>``."""
     csv: bool = True
     """Also a CSV log (run_dir/csv), whatever W&B does."""
     layer_panels: int = 24
@@ -262,6 +277,8 @@ class RunConfig:
     resume_trusted: bool = False
     """True: unpickle the resume checkpoint fully (it could run code; stabilize/trust.py)."""
     seed: int = 1234
+    """Seeds the start (the model's init: ``seed_everything``) and each step's dropout (with
+    the data position and the rank); the shipped data configs' ``data.seed`` follows it."""
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
