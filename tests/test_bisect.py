@@ -1,16 +1,20 @@
 """Precision bisection over a repro bundle (``stabilize-replay --bisect``): a planted
 overflow at one norm is traced to exactly that norm, and a run with the printed per-site
 override (``model.norm_sites``) passes the step. The reference is where the fault was
-planted: the last block's output, which only ``ln_f`` reads in a pre-norm model."""
+planted: the last block's output, which only ``ln_f`` reads in a pre-norm model. The same
+bundle's data bisection (``--data``) respects the run's own class for it, deterministic:
+it names a row and writes nothing unless ``--record`` asks."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 
 from stabilize.model import GPT, GPTConfig
+from stabilize.replay import main as replay_main
 from stabilize.replay.bisect import bisect, override
 from stabilize.train import run
 
@@ -25,15 +29,25 @@ PLANTED = [
 ]  # fmt: skip
 
 
+def _events(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
 def _overflows(run_dir) -> list[dict]:
-    evs = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
-    return [e for e in evs if e["monitor"] == "overflow"]
+    return [e for e in _events(run_dir) if e["monitor"] == "overflow"]
 
 
-def test_the_bisection_names_the_planted_norm_and_its_override_passes_the_step(tmp_path):
-    run(compose_run(tmp_path / "a", PLANTED))
-    assert [e["layer"] for e in _overflows(tmp_path / "a")][:1] == ["ln_f"]
-    (bundle,) = (tmp_path / "a" / "bundles").iterdir()
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """The planted run: its overflow at step 7, classed deterministic, and its one bundle."""
+    run_dir = tmp_path_factory.mktemp("planted") / "a"
+    run(compose_run(run_dir, PLANTED))
+    return run_dir
+
+
+def test_the_bisection_names_the_planted_norm_and_its_override_passes_the_step(planted, tmp_path):
+    assert [e["layer"] for e in _overflows(planted)][:1] == ["ln_f"]
+    (bundle,) = (planted / "bundles").iterdir()
     b = bisect(bundle)
     assert len(b["sites"]) == 5 and b["failing"]  # ln_1, ln_2 of 2 blocks, and ln_f
     assert b["culprits"] == ["ln_f"]
@@ -81,3 +95,38 @@ def test_the_fp32_sites_rung_switches_only_the_norm_that_overflowed(tmp_path):
     ts.load_state_dict(saved, z_loss=0.0)
     reapply_remedies(ts, ts.remedies, {})
     assert fresh.ln_f.reduction_dtype == "fp32" and fresh.h[1].ln_2.reduction_dtype == "fp16"
+
+
+def test_data_on_a_deterministic_fault_names_the_rows_and_writes_nothing_unless_asked(
+    planted, tmp_path, capsys
+):
+    """The drift overflows ln_f whatever the rows, so the data bisection ends on one row of
+    the 4: the run's own re-run called it deterministic (its events), and stabilize-replay
+    --data says what it found and leaves the run's skipped_items.json alone; --record writes
+    it, as for a data-linked fault; --record without --data is refused."""
+    run_dir = tmp_path / "a"  # a copy: what --record writes stays out of the shared run
+    shutil.copytree(planted, run_dir)
+    (bundle,) = (run_dir / "bundles").iterdir()
+    done = [e for e in _events(run_dir) if e["kind"] == "rollback" and e["monitor"] == "rollback"]
+    assert done[0]["extra"]["class"] == "deterministic"  # the live run's verdict
+    skipped = run_dir / "skipped_items.json"
+    assert not skipped.exists()
+    capsys.readouterr()
+    assert replay_main(["--data", str(bundle)]) == 1
+    head, said = capsys.readouterr().out.strip().splitlines()
+    assert head.startswith("data bisection over 4 sequences, ") and "fails with 1 of them" in head
+    assert said == (
+        "not recorded: the run classed this fault deterministic (the step failed again on the "
+        "next micro-batches, replayed from the same weights: the model's state or numerics, not "
+        "these sequences); skipping them would change what a resume trains on, not the fault "
+        f"(the norms to switch, if any: stabilize-replay --bisect {bundle}; --record records "
+        "them anyway)"
+    )
+    assert not skipped.exists()
+    assert replay_main(["--data", "--record", str(bundle)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == head and lines[1].startswith(f"recorded in {skipped}: ")
+    (item,) = json.loads(skipped.read_text())["items"]
+    assert f"block {item['index']} (hash {item['hash']};" in head
+    assert replay_main(["--record", str(bundle)]) == 2
+    assert capsys.readouterr().err.startswith("stabilize-replay: --record goes with --data")

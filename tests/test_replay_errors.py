@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 
 import lightning as L
 import pytest
@@ -75,6 +76,10 @@ def _own_loop_run(run_dir) -> None:
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("replay_errors")
     run(compose_run(root / "good", [*TINY, "seed=1"]))
+    for seed in (2, 3, 4):  # good and s2, s3: three reference seeds; s4 one more of them
+        run(compose_run(root / f"s{seed}", [*TINY, f"seed={seed}"]))
+    # the same seed at 100x the learning rate: a held-out gap far outside the seeds' band
+    run(compose_run(root / "far", [*TINY, "seed=1", "optim.lr=3e-2"]))
     run(compose_run(root / "short", [*TINY, "seed=1", "trainer.stop_at_step=2"]))
     with pytest.raises(Exception, match="preempted by SIGTERM at model step 3"):
         run(compose_run(root / "killed", [*TINY, "seed=1"]), [_SigtermAt3()])
@@ -179,16 +184,46 @@ def test_a_dir_that_is_no_finished_run_is_refused_in_one_line(
 def test_finished_runs_of_ours_pass_the_same_checks(dirs, tmp_path, capsys):
     """The checks refuse the dirs above, not real runs: stabilize-gap judges a copy of the
     run against the run itself twice (no seed noise to measure: exit 1), and a run of the
-    user's own loop likewise; the tail from the step-2 checkpoint replays the rest of the
-    run and keeps what it found."""
-    run_dir = tmp_path / "good"
-    shutil.copytree(dirs / "good", run_dir)
+    user's own loop likewise; the tail of a run with a real gap, from the step-2 checkpoint,
+    replays the rest of the run and keeps what it found."""
+    run_dir = tmp_path / "far"
+    shutil.copytree(dirs / "far", run_dir)
     for d, refs in ((run_dir, [dirs / "good"] * 2), (dirs / "own", [dirs / "own"] * 2)):
         out = tmp_path / d.name
         assert gap_main([str(d), "--reference", *map(str, refs), "--out", str(out)]) == 1
         assert json.loads((out / "gap.json").read_text())["reference"] == list(map(str, refs))
-    refs = [str(dirs / "good")] * 2
-    assert replay_main(["--tail", "2", str(run_dir), "--reference", *refs]) in (0, 1)
+    refs = [str(dirs / s) for s in ("good", "s2", "s3")]
+    capsys.readouterr()
+    assert replay_main(["--tail", "2", str(run_dir), "--reference", *refs]) == 0
     out = capsys.readouterr().out
     assert "tail counterfactual: steps 2-4" in out, out
     assert json.loads((run_dir / "gap" / "tail.json").read_text())["start"] == 2
+
+
+def _words(run_dir, refs) -> str:
+    """The judge's words for the held-out gap, by hand from the runs' final_eval.json:
+    t(0.975, 2) = 4.302653 with 3 seeds."""
+    score = [json.loads((d / "final_eval.json").read_text())["loss"] for d in [run_dir, *refs]]
+    gap = score[0] - statistics.fmean(score[1:])
+    noise = statistics.stdev(score[1:]) * (4 / 3) ** 0.5
+    assert abs(gap) <= 4.302653 * noise  # one more seed of the reference: inside its band
+    return (f"held-out loss {gap:+.4f} nats, {gap / noise:+.1f} sigma of seed noise: inside "
+            f"the noise (the 3-seed band is +-{4.302653 * noise:.4f})")  # fmt: skip
+
+
+def test_the_tail_declines_a_gap_inside_the_noise_as_the_gap_bisection_does(dirs, capsys):
+    """A fourth seed of the reference is inside its noise: --gap says there is nothing
+    significant to close, and --tail, judging by the same rule, claims no share of it: one
+    line with the judge's words, exit 1, no replay and nothing written."""
+    run_dir, refs = dirs / "s4", [dirs / s for s in ("good", "s2", "s3")]
+    before, words = _tree(dirs), _words(run_dir, refs)
+    capsys.readouterr()
+    assert replay_main(["--tail", "2", str(run_dir), "--reference", *map(str, refs)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "tail counterfactual: nothing significant to recover (the run's gap is not a real gap "
+        f"against the reference's seed noise): {words}"
+    ]
+    assert replay_main(["--gap", str(run_dir), "--reference", *map(str, refs)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == f"  {words}" and out[-1].startswith("gap bisection: nothing significant")
+    assert _tree(dirs) == before  # no replay's files, no gap/tail.json

@@ -287,7 +287,7 @@ def test_the_band_footnote_says_what_is_computed(scenario):
     _, verdicts = table(text, "Against the reference")
     bpb = [b for b, _ in REF_SCORES.values()]
     n, m, sd = len(bpb), statistics.fmean(bpb), statistics.stdev(bpb)
-    half = 4.303 * sd * math.sqrt(1 + 1 / n)  # t(0.975, 2), by hand: a 95% prediction interval
+    half = 4.302653 * sd * math.sqrt(1 + 1 / n)  # t(0.975, 2), by hand: a 95% prediction interval
     ref = next(v for k, v in verdicts.items() if k.startswith("reference"))
     assert f"band {m - half:.3f}-{m + half:.3f}" in " ".join(ref)
     note = section(text, "Against the reference")

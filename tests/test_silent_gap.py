@@ -48,10 +48,11 @@ def _refs(root) -> list[float]:
 def test_the_planted_gap_is_real_and_bisected_to_its_site(drill):
     refs, run = _refs(drill), _loss(drill / "runs" / "silent")
     gap, noise = run - statistics.fmean(refs), statistics.stdev(refs) * math.sqrt(4 / 3)
-    assert gap > 4.303 * noise  # outside the 3 seeds' 95% band: a real gap, by hand
+    assert gap > 4.302653 * noise  # outside the 3 seeds' 95% band: a real gap, by hand
     out = _sh(doc_command("gap-judge"), drill).splitlines()
+    band = 4.302653 * noise  # t(0.975, 2)
     assert out[1] == (f"  held-out loss {gap:+.4f} nats, {gap / noise:+.1f} sigma of seed "
-                      f"noise: a real gap (the 3-seed band is +-{4.303 * noise:.4f})")  # fmt: skip
+                      f"noise: a real gap (the 3-seed band is +-{band:.4f})")  # fmt: skip
     saved = json.loads((drill / "runs" / "silent" / "gap" / "gap.json").read_text())
     assert saved["real"] is True and saved["sigma"] == pytest.approx(gap / noise)
     out = _sh(doc_command("gap-bisect"), drill).splitlines()
@@ -70,7 +71,7 @@ def test_the_planted_gap_is_real_and_bisected_to_its_site(drill):
 def test_a_healthy_bf16_run_is_inside_the_noise_and_names_no_culprit(drill):
     refs = _refs(drill)
     gap = _loss(drill / "runs" / "bf16") - statistics.fmean(refs)
-    assert abs(gap) <= 4.303 * statistics.stdev(refs) * math.sqrt(4 / 3)  # by hand: inside
+    assert abs(gap) <= 4.302653 * statistics.stdev(refs) * math.sqrt(4 / 3)  # by hand: inside
     out = _sh(doc_command("gap-bisect-bf16"), drill, ok=(1,))
     assert "inside the noise" in out and "replay 1" not in out
     assert "gap bisection: nothing significant to close" in out

@@ -34,10 +34,10 @@ def test_fixes_it_only_inside_the_band_and_without_nan():
         Facts("baseline", 1234, nan_steps=[57, 61]),
     ]
     ref, vs = judge(ra + arms, rf + fs)
-    # by hand: mean 3.22, sample sd 0.02, t(0.975, 2) = 4.303, sqrt(1 + 1/3): +-0.0994
-    half = 4.303 * 0.02 * (4 / 3) ** 0.5
+    # by hand: mean 3.22, sample sd 0.02, t(0.975, 2) = 4.302653, sqrt(1 + 1/3): +-0.0994
+    half = 4.302653 * 0.02 * (4 / 3) ** 0.5
     assert ref.seeds == 3 and ref.band("bpb") == pytest.approx((3.22 - half, 3.22 + half))
-    assert ref.band("loss")[1] == pytest.approx(2.53 + 4.303 * 0.03 * (4 / 3) ** 0.5)
+    assert ref.band("loss")[1] == pytest.approx(2.53 + 4.302653 * 0.03 * (4 / 3) ** 0.5)
     assert ref.mean("bpb") == pytest.approx(3.22) and ref.mean("loss") == pytest.approx(2.53)
     by = {v.arm: v for v in vs}
     fp32, bf16, base = by["fp32_reduction"], by["bf16"], by["baseline"]

@@ -5,7 +5,9 @@
 - ``--data`` (``data``): the fewest sequences of the step that still fail it, each named by
   its training block index and content hash (``stabilize.data.block_hash``), recorded in
   the run dir's ``skipped_items.json`` (a resume steps over them, in every epoch) and
-  printed as a ``++data.skip_items`` override for other runs on the same corpus.
+  printed as a ``++data.skip_items`` override for other runs on the same corpus. Where the
+  live run classed the fault as not data-linked (deterministic, transient: the bundle's
+  events), they are named and nothing is written unless ``--record`` asks.
 
 Both halve (``minimize``) and count replays: one culprit among n costs log2(n) + 3
 (precision: the first replay, every norm in fp32, one per halving, the confirmation) and
@@ -238,7 +240,29 @@ def record(bundle: Path, culprits: list[dict]) -> Path | None:
     return add_skipped_items(run_dir, [{**c, "bundle": bundle.name} for c in culprits])
 
 
-def data_main(bundle: Path, code: CodeChoice = NO_CODE) -> int:
+def live_class(bundle: Path) -> str | None:
+    """The class the live run gave the bundled fault (classify.py: transient, deterministic,
+    data), from the step's events the bundle keeps; None where it gave none (rollback or
+    classification off, no other batch to tell model from data)."""
+    from stabilize.replay.bundle_files import open_bundle
+
+    events = open_bundle(bundle).meta["events"]
+    classed = (e["extra"].get("class") for e in events if isinstance(e.get("extra"), dict))
+    return next((c for c in classed if c), None)
+
+
+# what the run's own re-run saw, for a class that is not data-linked
+NOT_DATA = {
+    "deterministic": "the step failed again on the next micro-batches, replayed from the same "
+    "weights: the model's state or numerics, not these sequences",
+    "transient": "the step did not fail again when the run replayed it: not these sequences",
+}
+
+
+def data_main(bundle: Path, code: CodeChoice = NO_CODE, force: bool = False) -> int:
+    """``force`` (``--record``): record the sequences even where the live run classed the
+    fault as not data-linked."""
+    cls = live_class(bundle)
     b = data(bundle, code)
     head = f"data bisection over {b['rows']} sequences, {b['replays']} replays"
     if b["culprits"] is None:
@@ -257,6 +281,16 @@ def data_main(bundle: Path, code: CodeChoice = NO_CODE) -> int:
             for c in b["culprits"]
         )
     print(f"{head}: the step fails with {len(b['culprits'])} of them: {names}")
+    if cls in NOT_DATA and not force:
+        # skipping data changes what every later resume trains on: a tool that edits the
+        # run's future takes the run's own verdict over a bisection that any row can pass
+        # when the whole model fails
+        norms = cls == "deterministic"
+        hint = f"the norms to switch, if any: stabilize-replay --bisect {bundle}; " if norms else ""
+        print(f"not recorded: the run classed this fault {cls} ({NOT_DATA[cls]}); skipping "
+              f"them would change what a resume trains on, not the fault ({hint}--record "
+              "records them anyway)")  # fmt: skip
+        return 1
     path = record(bundle, b["culprits"])
     if not b["ours"]:
         where = f"recorded in {path}; " if path is not None else ""

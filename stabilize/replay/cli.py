@@ -9,7 +9,9 @@
 
 ``core.py`` checks the bundle and replays the step (optionally with norms switched to fp32,
 or with a subset of its sequences); ``bisect.py`` halves over either. Exit 0: it reproduces
-(a bisection: found); 1: it does not (nothing found); 2: a bad bundle, one line.
+(a bisection: found); 1: it does not (nothing found; ``--data`` on a fault the run classed
+deterministic or transient: found but not recorded, without ``--record``; ``--gap`` and
+``--tail``: a gap inside the seed noise); 2: a bad bundle, one line.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     how.add_argument("--data", action="store_true", help="find the fewest sequences of the "
                      "step that still fail it; record them (by block index and content hash) "
                      "for the run's resume and print them as a Hydra override; a loader "
-                     "we do not own: by its batch, row and content hash")  # fmt: skip
+                     "we do not own: by its batch, row and content hash; a fault the run "
+                     "classed deterministic or transient: named, not recorded")  # fmt: skip
     how.add_argument("--gap", action="store_true", help="BUNDLE is a run dir: judge its gap "
                      "to --reference and find the fewest precision sites whose switch to fp32 "
                      "closes it over a window of replayed steps")  # fmt: skip
     how.add_argument("--tail", type=int, default=None, metavar="STEP", help="BUNDLE is a run "
-                     "dir: fork it at STEP (a checkpoint of it, 0: its start), train the rest "
-                     "at --reference's precision, say the share of the gap recovered")  # fmt: skip
+                     "dir: judge its gap to --reference as --gap does; a real one: fork it at "
+                     "STEP (a checkpoint of it, 0: its start), train the rest at --reference's "
+                     "precision, say the share of the gap recovered")  # fmt: skip
     how.add_argument("--spike", action="store_true", help="BUNDLE is a run dir: replay the "
                      "steps after its spike as it happened and with each remedy (skip, clip, "
                      "lower_lr); the damage left and the steps to recover")  # fmt: skip
@@ -51,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                    "called with the saved hyperparameters; a Guard's: with none)")  # fmt: skip
     p.add_argument("--loss", metavar="PKG.MOD:FN", help="a Guard's bundle: your own "
                    "loss_fn(model, batch), in place of the one the bundle names")  # fmt: skip
+    p.add_argument("--record", action="store_true", help="--data: record the sequences in the "
+                   "run's skipped_items.json even where the run classed the fault as not "
+                   "data-linked (deterministic, transient)")  # fmt: skip
     p.add_argument("--reference", type=Path, nargs="+", help="--gap, --tail, --spike: the "
                    "reference's run dirs (--spike: optional, for seed noise)")  # fmt: skip
     p.add_argument("--at", type=int, default=None, help="--spike: the spike's model step "
@@ -66,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     from stabilize.trust import UntrustedFile
 
     code = _code(args)
+    if args.record and not args.data:  # it edits the run's future: never on a guess of intent
+        code = "--record goes with --data (it records the sequences a data bisection finds)"
     if isinstance(code, str):
         print(f"stabilize-replay: {code}", file=sys.stderr)
         return EXIT_CONFIG
@@ -74,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.spike:
         return _spike(args)
     try:
-        if args.bisect or args.data:
-            return (data_main if args.data else precision_main)(args.bundle, code)
+        if args.data:
+            return data_main(args.bundle, code, force=args.record)
+        if args.bisect:
+            return precision_main(args.bundle, code)
         out = replay(args.bundle, code=code)
     except (BadBundle, UntrustedFile) as e:
         print(f"stabilize-replay: {e}", file=sys.stderr)

@@ -295,10 +295,15 @@ def tail(run_dir: Path, refs: list[Path], start: int) -> dict[str, Any]:
     state) and train to its end at the reference's precision (its ``precision`` section,
     every site in fp32, so no emulated rounding either); the share of the run's held-out gap
     to the reference mean that this recovers, ``(run - tail) / (run - reference)``, with its
-    error from the reference's seed noise. ``ValueError``, before any replay, where a dir is
-    not a finished, scored run (check_run_dirs) or ``start`` has no checkpoint to fork from."""
+    error from the reference's seed noise. The judge (report/gap.py) first, as ``--gap``
+    does: a gap inside the seed noise (or one it cannot tell) has no share to recover, and
+    the dict says so (``real``, ``judged``: the judge's words) without a replay.
+    ``ValueError``, before any replay, where a dir is not a finished, scored run
+    (check_run_dirs) or ``start`` has no checkpoint to fork from."""
     from stabilize.model import build_model
     from stabilize.model.fp32_sites import sites
+    from stabilize.report.gap import judge
+    from stabilize.report.load import load_run_dir
 
     check_run_dirs(run_dir, refs, loads=_loads)
     if len(refs) < 2:  # before the replay: its share is stated +- the reference's seed noise
@@ -317,28 +322,28 @@ def tail(run_dir: Path, refs: list[Path], start: int) -> dict[str, Any]:
                 " (it kept no step checkpoint before its end)")  # fmt: skip
         raise ValueError(f"--tail={start} is not allowed: {why}; allowed: 0 (its initial "
                          f"state){kept}")  # fmt: skip
+    out: dict[str, Any] = {"start": start, "end": steps, "run": run_score,
+                           "reference": statistics.fmean(ref_scores),
+                           "precision": ref_precision["name"]}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        win = Window(run_dir, start, steps - start, Path(tmp))
+        win = Window(run_dir, start, steps - start, Path(tmp))  # a damaged checkpoint: here
+        # the held-out gap judged by --gap's rule: a share of a gap inside the seed noise
+        # is a share of noise (it read 148% +- 52% on one such run)
+        g = judge(load_run_dir(run_dir), [load_run_dir(r) for r in refs]).heldout
+        out.update(real=g.real, judged=g.words())
+        if not g.real:
+            return {**out, "tail": None, "share": None, "share_se": None}
         every = frozenset(sites(build_model(win.cfg.model)) + run_sites(win.cfg))
         win.score(every, ref_precision)
         forked = win.last["loss"]  # per token over the split, as the run's own score
-    ref = statistics.fmean(ref_scores)
-    gap = run_score - ref
-    noise = statistics.stdev(ref_scores) * math.sqrt(1 + 1 / len(ref_scores))
-    return {
-        "start": start,
-        "end": steps,
-        "run": run_score,
-        "tail": forked,
-        "reference": ref,
-        "share": (run_score - forked) / gap if gap else None,
-        "share_se": noise / abs(gap) if gap else None,
-        "precision": ref_precision["name"],
-    }
+    gap = run_score - out["reference"]
+    return {**out, "tail": forked, "share": (run_score - forked) / gap,
+            "share_se": g.noise / abs(gap)}  # fmt: skip
 
 
 def tail_main(run_dir: Path, refs: list[Path], start: int) -> int:
     t = tail(run_dir, refs, start)
-    _keep(run_dir, "tail.json", {**t, "references": _names(refs)})
+    if t["real"]:  # a decline finds nothing: it leaves tail.json, as --gap its bisection.json
+        _keep(run_dir, "tail.json", {**t, "references": _names(refs)})
     print(tail_words(t))
-    return 1 if t["share"] is None else 0
+    return 0 if t["real"] else 1

@@ -49,7 +49,7 @@ from stabilize.replay.gap_bisect import (
     _paired,
     train_losses,
 )
-from stabilize.report.gap import T975
+from stabilize.report.gap import t975
 from stabilize.report.rundirs import check_run_dirs
 
 SMOOTH = 5  # steps the per-step losses are averaged over for the recovery
@@ -146,7 +146,7 @@ def _band(refs: list[Path], steps: list[int]) -> dict[int, float] | None:
         win = common[max(0, i - SMOOTH + 1) : i + 1]
         means = [statistics.fmean(c[t] for t in win) for c in curves]
         n = len(means)
-        out[s] = T975.get(n - 1, 1.96) * statistics.stdev(means) * math.sqrt(1 + 1 / n)
+        out[s] = t975(n - 1) * statistics.stdev(means) * math.sqrt(1 + 1 / n)
     return out
 
 
@@ -206,7 +206,7 @@ def counterfactual(
             sigma = gap / noise if noise else None
             # worse than the remedy by more than the judge's band (or, with no seed noise,
             # by more than two standard errors of the paired batches)
-            lasting = gap > 0 and (sigma > T975.get(len(ref_scores) - 1, 1.96)
+            lasting = gap > 0 and (sigma > t975(len(ref_scores) - 1)
                                    if sigma is not None else gap > 2 * se)  # fmt: skip
             out["branches"][name] = {"words": words, "gap": gap, "gap_se": se, "sigma": sigma,
                                      "lasting": lasting, "back_after": back}  # fmt: skip

@@ -6,7 +6,8 @@ units of seed noise (``report/gap.py``; docs/design-precision.md).
 Prints the held-out and last-steps gaps with their sigma and verdict, where the per-step
 gap opens, and what ``stabilize-replay --gap`` / ``--tail`` found for the run where they
 ran (``RUN/gap/bisection.json``, ``tail.json``); writes ``gap.json`` and ``gap.png`` (the
-smoothed per-step gap with the reference's band) to ``--out`` (default ``RUN/gap``). Exit
+judged scores' gaps beside the reference's band, the smoothed per-step gap with its band,
+and the judgement's lines) to ``--out`` (default ``RUN/gap``). Exit
 0: a real gap; 1: inside the noise (or it cannot be told); 2: bad input, one line.
 """
 
@@ -20,25 +21,66 @@ from pathlib import Path
 from stabilize.exits import EXIT_CONFIG
 
 
-def plot(j, out: Path, title: str) -> Path:
+def figure(j, title: str):
+    """What the judgement says, drawn (a matplotlib Figure). Left: the scores the verdict is
+    on (held-out, last steps), each as the run's gap to the reference mean beside the
+    reference seeds' own spread and the 95% band for one more seed. Right: the per-step
+    training-loss gap, smoothed, with its band: another measure (a training step's loss is
+    far noisier than a whole held-out split), which the words judge separately ("opens at"
+    / "never stays above"). Under both, the judgement's own lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    gaps = [g for g in (j.heldout, j.last) if g is not None]
+    lines = j.lines()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4 + 0.18 * len(lines)),
+                                      gridspec_kw={"width_ratios": [1, 2.4]})  # fmt: skip
+    ys = [0.0]
+    for x, g in enumerate(gaps):
+        mean = g.run - g.value
+        if g.half is not None:
+            left.plot([x, x], [-g.half, g.half], color="0.8", lw=10, solid_capstyle="butt",
+                      gid="band", label="95% band, one more seed" if x == 0 else None)  # fmt: skip
+        seeds = [r - mean for r in g.ref]
+        left.plot([x] * g.n, seeds, "o", color="0.35", ms=4, gid="seeds",
+                  label="reference seeds" if x == 0 else None)  # fmt: skip
+        left.plot([x], [g.value], "D", color="C3", gid="run",
+                  label="this run" if x == 0 else None)  # fmt: skip
+        ys += [*seeds, g.value, *([-g.half, g.half] if g.half is not None else [])]
+    lo, hi = min(ys), max(ys)
+    left.set_ylim(lo - 0.08 * (hi - lo or 1), hi + 0.5 * (hi - lo or 1))  # room for the legend
+    left.axhline(0, color="0.4", lw=0.8)
+    left.set_xticks(range(len(gaps)), [g.score for g in gaps], fontsize=8)
+    left.set_xlim(-0.6, len(gaps) - 0.4)
+    left.set_ylabel("gap to the reference mean (nats)")
+    left.set_title("the judged scores", fontsize=10)
+    left.legend(fontsize=7, loc="upper left")
     s = j.steps
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.fill_between(s.steps, [-h for h in s.half], s.half, color="0.85",
-                    label="reference band (95%, one more seed)")  # fmt: skip
-    ax.plot(s.steps, s.gap, color="C3", label=f"gap to the reference mean (over {s.window})")
-    ax.axhline(0, color="0.4", lw=0.8)
-    if s.opens_at is not None:
-        ax.axvline(s.opens_at, color="C3", ls=":", label=f"opens at step {s.opens_at}")
-    ax.set_xlabel("model step")
-    ax.set_ylabel("training loss gap (nats)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    if s.steps:
+        right.fill_between(s.steps, [-h for h in s.half], s.half, color="0.85", gid="band",
+                           label="95% band, one more seed")  # fmt: skip
+        right.plot(s.steps, s.gap, color="C3", gid="gap", label="gap to the reference mean")
+        if s.opens_at is not None:
+            right.axvline(s.opens_at, color="C3", ls=":", label=f"opens at step {s.opens_at}")
+        right.legend(fontsize=7)
+    right.axhline(0, color="0.4", lw=0.8)
+    right.set_xlabel("model step")
+    right.set_ylabel("training-loss gap (nats)")
+    right.set_title(f"per step: training loss, each curve smoothed over {s.window} steps"
+                    if s.steps else "per step: no step every run logged", fontsize=10)  # fmt: skip
+    fig.suptitle(title, fontsize=10)
+    for i, line in enumerate(lines):  # the words, verbatim, under the panels they judge
+        fig.text(0.01, 0.02 + 0.045 * (len(lines) - 1 - i), line, fontsize=7.5, gid="judgement")
+    fig.tight_layout(rect=(0, 0.05 * len(lines) + 0.01, 1, 1))
+    return fig
+
+
+def plot(j, out: Path, title: str) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = figure(j, title)
     path = out / "gap.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -112,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "last_steps": None if j.last is None else j.last.value,
         "opens_at": j.steps.opens_at, "window": j.steps.window, **found,
     }, indent=1))  # fmt: skip
-    if j.steps.steps:
-        print(f"plot: {plot(j, out, f'{args.run.name} vs {len(refs)} reference seeds')}")
+    print(f"plot: {plot(j, out, f'{args.run.name} vs {len(refs)} reference seeds')}")
     return 0 if g.real else 1
 
 

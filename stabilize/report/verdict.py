@@ -32,7 +32,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from stabilize.report.gap import T975, Gap
+from stabilize.report.gap import Gap, t975
 from stabilize.report.load import Run
 from stabilize.report.summary import DRIFTS, ArmSummary
 
@@ -116,7 +116,7 @@ class Reference:
         if len(vals) < 2:
             return None
         n, m, sd = len(vals), statistics.fmean(vals), statistics.stdev(vals)
-        half = T975.get(n - 1, 1.96) * sd * math.sqrt(1 + 1 / n)
+        half = t975(n - 1) * sd * math.sqrt(1 + 1 / n)
         return (m - half, m + half)
 
     def mean(self, key: str) -> float | None:
