@@ -85,7 +85,7 @@ class Recorder(L.Callback):
         for i, block in enumerate(model.h):
             self.handles.append(block.register_forward_hook(self._block_hook(f"h.{i}")))
         stab = next(c for c in trainer.callbacks if type(c).__name__ == "StabilityCallback")
-        self.stab, self.alias = stab, dict(stab.probe._alias)
+        self.stab, self.alias = stab, dict(stab.probe.units.alias)
 
     def _norm_hook(self, name, kind):
         def hook(module, args):

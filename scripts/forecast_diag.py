@@ -68,7 +68,8 @@ def at_lead(r: dict, layer: str, step: int, cfg: ActivationConfig) -> str:
         if d["step"] > step:
             break
         seen.clear()
-        mon.update(StepStats(**{**d, "norm_dim": d.get("norm_dim") or r["dims"]}))
+        # every name its own unit here: the layer asked about is diagnosed by its own name
+        mon.update(StepStats(**{**d, "norm_dim": d.get("norm_dim") or r["dims"], "act_alias": {}}))
     parts = []
     for (lay, kind), p in sorted(seen.items()):
         if lay != layer:

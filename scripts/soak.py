@@ -1,28 +1,17 @@
 """A fault soak: 2-rank torchrun jobs interrupted at random, against uninterrupted twins.
 
-    python scripts/soak.py                          # 5 jobs x 300 steps (~25 min on 2 cores)
+    python scripts/soak.py                          # 5 jobs x 600 steps (~10 min on 2 cores)
     python scripts/soak.py --jobs nan_loss --steps 60 --gap 8 --seed 1
     python scripts/soak.py --doc                    # and write docs/operations.md's block
 
-Each job is a real launch (``scripts/launch.sh --nproc-per-node 2 --max-restarts 20``, the
-tiny GPT on CPU over gloo, a checkpoint every ``--every`` steps, ``trainer.hang_timeout_s``
-= ``--hang``) with one harness fault planted (nan_loss, inf_grad, grad_spike, poisoned_item,
-stream_drift). While it trains, interruptions come at random (seeded: ``--seed``), after a
-gap of training drawn from an exponential of mean ``--gap`` seconds, of three kinds in the
-proportions of a scheduler's life: SIGKILL of one rank (torchrun restarts the group in the
-job), SIGTERM of the job (a preemption: exit 4), SIGSTOP of one rank (frozen: the watchdog
-names it, exit 5). Whenever the launch exits non-zero it is launched again with
-``resume=auto``, as a scheduler requeues it. Then its twin runs the same job uninterrupted.
-
-What it prints (Markdown), from the launches' own step lines and files:
-- per interruption: its kind, the step it hit, the step training resumed from (steps lost)
-  and the restart's seconds (from the signal to the first new step's line);
-- per job: interruptions by kind, steps lost, the median and largest restart, the
-  effective training time (the final steps at the twin's seconds per step, over the job's
-  wall time; the twin's own beside it), whether the final weights and AdamW moments equal
-  the twin's bit for bit, and the final held-out loss beside the twin's.
-A job that stops making progress for ``3 x --hang + 120`` s is ended and said to have
-needed a human.
+Each job (``scripts/launch.sh --nproc-per-node 2 --max-restarts 20``, the tiny GPT on CPU
+over gloo, one harness fault planted) is interrupted at random (the kinds and gaps drawn
+from ``--seed``; which step each hits depends on the machine's speed): SIGKILL of a rank,
+SIGTERM of the job, SIGSTOP of a rank. A launch that exits non-zero is launched again with
+``resume=auto``, as a scheduler requeues it; then its twin runs uninterrupted. Prints, per
+interruption, the steps lost and the restart's seconds by milestone, and per job the
+effective training time and whether its end is bitwise its twin's (docs/operations.md). A
+job with no progress for ``3 x --hang + 120`` s is ended and said to have needed a human.
 """
 
 from __future__ import annotations
@@ -41,8 +30,16 @@ import threading
 import time
 from pathlib import Path
 
+from stabilize.bench.soak import (
+    KINDS,
+    final_state,
+    job_row,
+    phases,
+    relaunched,
+    tables,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = {"kill_rank": 14, "term_job": 7, "stop_rank": 8}  # the issue's 29 interruptions
 
 
 def faults(steps: int) -> dict[str, list[str]]:
@@ -140,34 +137,6 @@ def _interrupt(kind: str, launch: Launch, run_dir: Path, rank: int) -> bool:
     return True
 
 
-# Where a restart's seconds go: the first console line of each milestone after the signal
-MILESTONES = {
-    "noticed": ("died", "watchdog:", "preempt", "SIGTERM", "Signals.SIG"),
-    "relaunched": ("elastic restart", "[soak] launched"),
-    "configured": ("stabilize-train: ",),  # imports, Hydra, the data: the run's first line
-    "restored": ("Restored all states",),  # the process group met, the checkpoint loaded
-}
-
-
-def phases(log: list[tuple[float, str]], t: float, first_step: float) -> dict[str, float]:
-    """Seconds from each milestone to the next, the signal first and the first new step
-    last; a milestone not seen is skipped (its time counts in the next one's)."""
-    marks, prev = {}, t
-    for name, words in MILESTONES.items():
-        hit = next((u for u, line in log if prev <= u <= first_step
-                    and any(w in line for w in words)), None)  # fmt: skip
-        if hit is not None:
-            marks[name], prev = hit - prev, hit
-    marks["first step"] = first_step - prev
-    return marks
-
-
-def _relaunched(log: list[tuple[float, str]], t: float) -> float | None:
-    """When new processes were started after ``t`` (torchrun's restart or a requeue)."""
-    words = MILESTONES["relaunched"]
-    return next((u for u, line in log if u > t and any(w in line for w in words)), None)
-
-
 def soak(name: str, run_dir: Path, overrides: list[str], args, rng: random.Random) -> dict:
     """The job, interrupted and requeued until it ends with exit 0 (or needs a human)."""
     kinds, weights = list(KINDS), list(KINDS.values())
@@ -187,7 +156,7 @@ def soak(name: str, run_dir: Path, overrides: list[str], args, rng: random.Rando
             last = launch.steps[-1] if launch.steps else None
             # closed by the first step of a new process (a step in flight when the signal
             # came, which SIGTERM lets finish, is not a restart)
-            back = _relaunched(log, pending["t"]) if pending is not None else None
+            back = relaunched(log, pending["t"]) if pending is not None else None
             if back is not None and last and last[0] > back:
                 first = next(s for s in launch.steps if s[0] > back)
                 pending.update(resumed=first[1] - 1, restart_s=first[0] - pending["t"],
@@ -242,105 +211,14 @@ def twin(run_dir: Path, overrides: list[str], args) -> dict:
             "step_s": statistics.median(gaps) if gaps else float("nan")}  # fmt: skip
 
 
-def final_state(run_dir: Path) -> dict:
-    """The run's end: its last checkpoint's weights and optimizer state, its held-out loss
-    and its result."""
-    import torch
-
-    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu",
-                      weights_only=True)  # fmt: skip
-    ev = json.loads((run_dir / "final_eval.json").read_text())
-    result = json.loads((run_dir / "result.json").read_text())
-    return {"weights": ckpt["state_dict"], "optimizer": ckpt["optimizer_states"],
-            "loss": ev["loss"], "result": result}  # fmt: skip
-
-
-def bitwise_equal(a, b) -> bool:
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return (
-            isinstance(b, dict)
-            and a.keys() == b.keys()
-            and all(bitwise_equal(a[k], b[k]) for k in a)
-        )
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
-def job_row(name: str, soaked: dict, tw: dict, a: dict | None, b: dict | None, steps) -> dict:
-    ev = soaked["events"]
-    restarts = [e["restart_s"] for e in ev if "restart_s" in e]
-    lost = [e["lost"] for e in ev if "lost" in e]
-    by = {k: sum(e["kind"] == k for e in ev) for k in KINDS}
-    done = a is not None and a["result"]["status"] == "done"
-    return {
-        "job": name, "interruptions": len(ev), **by, "launches": soaked["launches"],
-        "steps_lost": sum(lost), "lost_max": max(lost, default=0),
-        "restart_median_s": statistics.median(restarts) if restarts else None,
-        "restart_max_s": max(restarts, default=None),
-        "effective": steps * tw["step_s"] / soaked["wall_s"],
-        "twin_effective": steps * tw["step_s"] / tw["wall_s"],
-        "bitwise": bool(a and b and bitwise_equal(a["weights"], b["weights"])
-                        and bitwise_equal(a["optimizer"], b["optimizer"])),
-        "loss": a["loss"] if a else None, "twin_loss": b["loss"] if b else None,
-        "status": a["result"]["status"] if a else "missing", "done": done,
-        "human": soaked["human"],
-    }  # fmt: skip
-
-
-def _f(v, fmt: str = ".2f") -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def tables(rows: list[dict], events: list[dict]) -> str:
-    out = ["| job | interruptions (kill / term / stop) | launches | steps lost (max) | "
-           "restart s, median (max) | effective (twin) | weights + AdamW = twin | "
-           "held-out loss (twin) | result |",
-           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        out.append(
-            f"| {r['job']} | {r['interruptions']} ({r['kill_rank']} / {r['term_job']} / "
-            f"{r['stop_rank']}) | {r['launches']} | {r['steps_lost']} ({r['lost_max']}) | "
-            f"{_f(r['restart_median_s'], '.1f')} ({_f(r['restart_max_s'], '.1f')}) | "
-            f"{_f(r['effective'])} ({_f(r['twin_effective'])}) | "
-            f"{'bitwise' if r['bitwise'] else 'NO'} | {_f(r['loss'], '.4f')} "
-            f"({_f(r['twin_loss'], '.4f')}) | {r['status']}"
-            f"{' (needed a human)' if r['human'] else ''} |"
-        )  # fmt: skip
-    out += ["", "| job | kind | rank | at step | resumed from | lost | restart s | exit |",
-            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for e in events:
-        rank = "-" if e["kind"] == "term_job" else e["rank"]
-        out.append(f"| {e['job']} | {e['kind']} | {rank} | {e['step']} | "
-                   f"{e.get('resumed', '-')} | {e.get('lost', '-')} | "
-                   f"{_f(e.get('restart_s'), '.1f')} | {e.get('exit', '-')} |")  # fmt: skip
-    out += ["", "Where the restarts' seconds went (median seconds from one milestone to the "
-            "next; n: interruptions of that kind):", "",
-            "| kind | n | " + " | ".join(["noticed", *list(MILESTONES)[1:], "first step"])
-            + " | total |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for kind in KINDS:
-        done = [e for e in events if e["kind"] == kind and "phases" in e]
-        if not done:
-            continue
-        cells = [_f(statistics.median([e["phases"].get(m, 0.0) for e in done]), ".1f")
-                 for m in [*MILESTONES, "first step"]]  # fmt: skip
-        total = statistics.median([e["restart_s"] for e in done])
-        out.append(f"| {kind} | {len(done)} | {' | '.join(cells)} | {total:.1f} |")
-    return "\n".join(out)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", default="nan_loss,inf_grad,grad_spike,poisoned_item,stream_drift")
-    p.add_argument("--steps", type=int, default=300, help="model steps per job (300)")
+    p.add_argument("--steps", type=int, default=600, help="model steps per job (600)")
     p.add_argument("--every", type=int, default=20, help="checkpoint every N steps (20)")
     p.add_argument("--hang", type=float, default=20, help="trainer.hang_timeout_s (20)")
-    p.add_argument("--gap", type=float, default=20.0,
-                   help="mean seconds of training between interruptions (20)")  # fmt: skip
+    p.add_argument("--gap", type=float, default=8.0,
+                   help="mean seconds of training between interruptions (8)")  # fmt: skip
     p.add_argument("--restarts", type=int, default=20, help="torchrun --max-restarts (20)")
     p.add_argument("--max-launches", type=int, default=40, help="requeues at most (40)")
     p.add_argument("--seed", type=int, default=0)

@@ -42,7 +42,8 @@ DRIFT = [
 def crossings(run_dir) -> list[dict]:
     lines = (Path(run_dir) / "events.jsonl").read_text().splitlines()
     evs = [json.loads(line) for line in lines]
-    return [e for e in evs if e["monitor"] == "activation" and e["layer"] == "h.0"]
+    # h.0's output is h.1.ln_1's input: one tensor, judged as the norm that reads it
+    return [e for e in evs if e["monitor"] == "activation" and e["layer"] == "h.1.ln_1"]
 
 
 def test_fp32_run_past_256_logs_info_not_a_warning(tmp_path):

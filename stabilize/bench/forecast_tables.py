@@ -43,16 +43,18 @@ def truth_units(r: dict, threshold: float) -> dict[int, dict]:
 
 def replay(r: dict, cfg: ActivationConfig) -> dict[tuple[str, int], tuple[float, float]]:
     """The forecast warnings the run's monitor logs: (layer, step) -> its two distances
-    ("in ~N steps as natural growth slows, ~M at this rate")."""
+    ("in ~N steps as natural growth slows, ~M at this rate"). An aliased block's tensor is
+    one unit, warned and scored under its norm's name (truth_units)."""
     mon = ActivationMonitor.from_config("activation", cfg)
     alias = r["alias"]
     out = {}
     for st in r["steps"]:
         d = dict(st["stats"])
         d.setdefault("norm_dim", r["dims"])
+        d.setdefault("act_alias", alias)  # recorded before StepStats carried it
         for e in mon.update(StepStats(**d)):
-            if e.monitor == "forecast" and e.kind == "warn" and e.layer not in alias:
-                out[(e.layer, e.step)] = (e.value, e.extra["at_this_rate"])
+            if e.monitor == "forecast" and e.kind == "warn":
+                out[(alias.get(e.layer, e.layer), e.step)] = (e.value, e.extra["at_this_rate"])
     return out
 
 

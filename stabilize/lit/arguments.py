@@ -33,7 +33,10 @@ _FACTORY = "'pkg.mod:fn' (an importable module and a callable in it, not called 
 
 def shown(value: Any) -> str:
     """A value as one short line: a module by its class (its repr is the whole tree), a
-    tensor by its shape, anything else by its repr, cut at 80 characters."""
+    tensor by its shape, a path whole (the user must see which), anything else by its
+    repr, cut at 80 characters."""
+    if isinstance(value, (str, os.PathLike)) and ("/" in str(value) or os.sep in str(value)):
+        return repr(str(value))
     if isinstance(value, nn.Module):
         return f"<{type(value).__name__}>"
     shape = getattr(value, "shape", None)

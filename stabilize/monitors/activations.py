@@ -1,6 +1,12 @@
 """Per-layer |x| max against the fp16 danger line, norm overflow counts, and a forecast
 of when each layer will cross the line.
 
+One tensor, one unit: a pre-norm block's output *is* the next norm's input
+(``StepStats.act_alias``: block -> norm), so it is judged once, under the name of the norm
+that reads it (where an fp16 reduction of it overflows), on both its lines (|x| max, and the
+norm's row RMS where that is measured): a crossing or a forecast is warned once, not once
+per name the tensor has.
+
 256 is the default because 256^2 = 65536 > 65504 = fp16 max: past it, one square
 overflows. A norm that sums squares in fp16 overflows earlier, when the row RMS passes
 255.94 / sqrt(D); its headroom is reported separately (``sum_headroom``).
@@ -151,7 +157,8 @@ def line_meaning(line: str, activation_dtype: str) -> str:
 class ActivationMonitor:
     name = "activation"
     needs = (
-        "act_max", "norm_overflow", "norm_collapsed", "norm_nan_rows", "norm_rms_max", "norm_dim"
+        "act_max", "norm_overflow", "norm_collapsed", "norm_nan_rows", "norm_rms_max", "norm_dim",
+        "act_alias",
     )  # fmt: skip
 
     @classmethod
@@ -185,7 +192,10 @@ class ActivationMonitor:
     def update(self, stats: StepStats) -> list[Event]:
         events = []
         step = stats.step
+        merged = set(stats.act_alias)  # judged as the norm that reads their output
         for layer, value in stats.act_max.items():
+            if layer in merged:
+                continue
             if value > self.threshold and layer not in self.above:
                 self.above.add(layer)
                 if self.line != "off":
@@ -239,8 +249,10 @@ class ActivationMonitor:
 
     def _lines(self, stats: StepStats) -> dict[tuple[str, str], tuple[float, float]]:
         """Every unit's (value, line): |x| max vs the threshold; a norm's largest row RMS vs
-        the fp16 sum-of-squares line, where the RMS is measured (the explicit backend)."""
-        out = {(k, "abs"): (v, self.threshold) for k, v in stats.act_max.items()}
+        the fp16 sum-of-squares line, where the RMS is measured (the explicit backend). A
+        block whose output a norm reads is that norm's unit (one tensor)."""
+        out = {(k, "abs"): (v, self.threshold) for k, v in stats.act_max.items()
+               if k not in stats.act_alias}  # fmt: skip
         for k, v in stats.norm_rms_max.items():
             d = stats.norm_dim.get(k)
             if d:

@@ -67,6 +67,9 @@ class StepStats:
     # each rank's parameter fingerprint, on replica-check steps only (empty otherwise)
     replicas: tuple[int, ...] = ()
     norm_dim: dict[str, int] = field(default_factory=dict)  # norm -> width D (constant)
+    # block -> the norm whose input *is* that block's output (pre-norm): one tensor, logged
+    # under both names, judged once, as the block (monitors/activations.py)
+    act_alias: dict[str, str] = field(default_factory=dict)
 
 
 # What a monitor may declare in ``needs``: every StepStats field but the step.

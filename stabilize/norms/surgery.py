@@ -2,20 +2,25 @@
 sections 4-5).
 
 - ``find_norms(model)``: every normalization module, by type (``nn.LayerNorm``,
-  ``nn.RMSNorm``, our ``Norm``, Hugging Face's ``LlamaRMSNorm`` matched by class name) and by
+  ``nn.RMSNorm``, our ``Norm``, Hugging Face's ``LlamaRMSNorm`` matched by class name), by
   duck typing (a class name ending in ``Norm`` with a ``weight`` and an ``eps`` or
-  ``variance_epsilon``). For a duck-typed class its kind (layernorm / rmsnorm, with or without
-  a ``(1 + weight)`` gain) and the dtype its reduction really runs in are *measured* once on
-  two rows, not guessed from its name.
+  ``variance_epsilon``), and by measurement (a leaf holding only a 1-D ``weight`` and bias
+  that normalizes its input's last dimension on measured rows: nanoGPT's ``LayerNorm``, eps
+  kept inside ``forward``, whose eps is then measured too). For a class it does not know, its
+  kind (layernorm / rmsnorm, with or without a ``(1 + weight)`` gain) and the dtype its
+  reduction really runs in are *measured* (``measure.py``), not guessed from its name.
 - ``swap_norms(model, ...)``: replace found norms by the zoo's ``Norm`` of the same kind (or
   another), handing it the *same* ``nn.Parameter`` objects, so an optimizer built before the
-  swap still holds them and the state-dict keys do not change.
+  swap still holds them and the state-dict keys do not change. Where nothing was swapped, or
+  norms are computed inline (``F.layer_norm`` in a block's ``forward``: no module to swap),
+  it warns in one line.
 
 No ``transformers`` import: its classes are recognised by name and attributes.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +30,14 @@ from torch import nn
 
 from stabilize.norms.backends import BACKENDS
 from stabilize.norms.config import REDUCTION_DTYPES, NormConfig
+from stabilize.norms.measure import (
+    DEFAULT_EPS,
+    affine_leaf,
+    inline_line,
+    inline_norms,
+    measure,
+    recover_eps,
+)
 from stabilize.norms.module import Norm, build_norm
 from stabilize.norms.registry import NORM_TYPES, get_norm_type
 from stabilize.validate import check_choice, check_positive
@@ -33,8 +46,6 @@ from stabilize.validate import check_choice, check_positive
 SITE_KEYS = ("type", "eps", "reduction_dtype")
 # Known classes that upcast to fp32 before the mean of squares (matched by class name).
 UPCASTING_RMSNORMS = ("LlamaRMSNorm",)
-# The measured overflow: one fp16 element at 300 squares to 90000 > 65504.
-PROBE_VALUE = 300.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,10 @@ class FoundNorm:
     """Its gain is ``(1 + weight)`` (Gemma; litgpt's ``add_unit_offset``)."""
     refusal: str = ""
     """Why ``swap_norms`` refuses it ('' when it can be swapped)."""
+    eps_from: str = "attribute"
+    """Where ``eps`` came from: ``attribute`` (``eps`` / ``variance_epsilon``), ``measured``
+    (a class that keeps it inside ``forward``), or ``default`` (1e-5: it could not be
+    measured)."""
     module: nn.Module | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -83,55 +98,6 @@ def _is_duck_norm(m: nn.Module) -> bool:
     )
 
 
-def _no_autocast(device_type: str):
-    return torch.autocast(device_type, enabled=False)
-
-
-def _references(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float):
-    """float64 candidates for a norm's output on row ``x``: {(kind, unit_offset): y}."""
-    x = x.double()
-    normed = {kind: get_norm_type(kind).reference64(x, eps) for kind in ("layernorm", "rmsnorm")}
-    shift = 0.0 if b is None else b.double()
-    return {
-        (kind, offset): y * ((1.0 + w) if offset else w) + shift
-        for kind, y in normed.items()
-        for offset in (False, True)
-    }
-
-
-@torch.no_grad()
-def _measure(m: nn.Module, width: int, eps: float) -> tuple[str, bool, str | None]:
-    """(kind, unit offset, reduction dtype) of a duck-typed norm, from two rows through its
-    own forward (hooks bypassed, autocast off): an fp32 row with a non-zero mean matched
-    against float64 LayerNorm / RMSNorm, each with gain ``w`` or ``1 + w``; and an fp16 row
-    of ones holding one 300, whose sum of squares overflows an fp16 reduction."""
-    w = m.weight.detach()
-    b = getattr(m, "bias", None)
-    b = b.detach().double() if isinstance(b, torch.Tensor) else None
-    dev = w.device
-    kind, offset, red = "unknown", False, None
-    try:
-        with _no_autocast(dev.type):
-            x = torch.linspace(-1.0, 3.0, width, device=dev)[None]
-            y = m.forward(x).double()
-            for (k, o), ref in _references(x, w.double(), b, eps).items():
-                if y.shape == ref.shape and torch.allclose(y, ref, rtol=1e-2, atol=1e-3):
-                    kind, offset = k, o
-                    break
-            x16 = torch.ones(1, width, device=dev, dtype=torch.float16)
-            x16[0, 0] = PROBE_VALUE
-            y16 = m.forward(x16)
-            # an overflowed row is x * rsqrt(inf) = 0, plus the bias where there is one
-            shift = 0.0 if b is None else b
-            dead = not bool(torch.isfinite(y16).all()) or (
-                bool((y16.double() == shift).all()) and bool((y != shift).any())
-            )
-            red = "fp16" if dead else "fp32"
-    except Exception:  # a forward that cannot take a [1, D] row: kind stays unknown
-        pass
-    return kind, offset, red
-
-
 def _found(name: str, m: nn.Module) -> FoundNorm | None:
     """A ``FoundNorm`` for a normalization module, None for anything else."""
     cls = type(m).__name__
@@ -152,15 +118,23 @@ def _found(name: str, m: nn.Module) -> FoundNorm | None:
         )
     # a torch norm subclass with its own forward is measured like any other class
     torch_subclass = isinstance(m, (nn.LayerNorm, nn.RMSNorm)) and isinstance(weight, torch.Tensor)
-    if not (_is_duck_norm(m) or torch_subclass):
+    named = _is_duck_norm(m) or torch_subclass
+    if not (named or affine_leaf(m)):
         return None
-    eps = _eps_of(m)
-    eps = float(torch.finfo(torch.float32).eps) if eps is None else eps  # nn.RMSNorm's None
+    eps, eps_from = _eps_of(m), "attribute"
+    if eps is None and torch_subclass:
+        eps = float(torch.finfo(torch.float32).eps)  # nn.RMSNorm's None
     width = int(weight.shape[-1]) if weight.dim() else 0
     if cls in UPCASTING_RMSNORMS and hasattr(m, "variance_epsilon"):
         kind, offset, red = "rmsnorm", False, "fp32"
     else:
-        kind, offset, red = _measure(m, width, eps) if width else ("unknown", False, None)
+        guess = DEFAULT_EPS if eps is None else eps  # the kind's match tolerates eps's size
+        kind, offset, red = measure(m, width, guess) if width else ("unknown", False, None)
+    if not named and kind == "unknown":
+        return None  # a leaf with a weight that does not normalize: not a norm
+    if eps is None:  # kept inside forward (nanoGPT's LayerNorm): measured
+        eps = recover_eps(m, kind, offset, width) if kind != "unknown" else None
+        eps, eps_from = (eps, "measured") if eps is not None else (DEFAULT_EPS, "default")
     offset = offset or bool(getattr(m, "add_unit_offset", False))
     if offset:
         refusal = "its gain is (1 + weight) (Gemma, litgpt add_unit_offset); the zoo's is weight"
@@ -168,13 +142,21 @@ def _found(name: str, m: nn.Module) -> FoundNorm | None:
         refusal = "it matches neither LayerNorm nor RMSNorm on a measured row"
     elif not isinstance(weight, nn.Parameter) or weight.dim() != 1:
         refusal = "its weight is not a 1-D nn.Parameter"
-    return FoundNorm(name, cls, kind, eps, width, bias, red, offset, refusal, module=m)
+    return FoundNorm(name, cls, kind, eps, width, bias, red, offset, refusal, eps_from, module=m)
 
 
 def find_norms(model: nn.Module) -> list[FoundNorm]:
     """Every normalization module of ``model``, in ``named_modules`` order (see module doc)."""
     found = (_found(name, m) for name, m in model.named_modules())
     return [f for f in found if f is not None]
+
+
+def unseen_norms_line(model: nn.Module, found: Iterable[FoundNorm] | None = None) -> str:
+    """One line naming the norms ``model`` computes inline (``F.layer_norm`` / ``F.rms_norm``
+    inside a module's ``forward``), which no module holds: neither probed nor swappable.
+    '' when there are none. ``found``: ``find_norms(model)``'s list, if already made."""
+    seen = {f.name for f in (find_norms(model) if found is None else found)}
+    return inline_line(inline_norms(model, seen))
 
 
 def _targets(found: dict[str, FoundNorm], sites) -> dict[str, dict[str, Any]]:
@@ -267,4 +249,13 @@ def swap_norms(
     for name, new in plan:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
+    # never silent: a run that asked for a reduction dtype and got none of it says so
+    unseen = unseen_norms_line(model, found.values())
+    if not plan:
+        why = unseen or "no module normalizes its input's last dimension"
+        warnings.warn(
+            f"swap_norms: nothing swapped in {model.__class__.__name__}: {why}", stacklevel=2
+        )
+    elif unseen:
+        warnings.warn(f"swap_norms: {unseen}", stacklevel=2)
     return [name for name, _ in plan]

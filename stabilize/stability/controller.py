@@ -217,7 +217,10 @@ class RollbackController:
         (self.run_dir / SKIPPED).write_text(json.dumps({"batches": batches}, indent=1))
 
     def abort(self, trainer, host, event: Event, reason: str, last: StepStats | None):
-        top = sorted(last.act_max.items(), key=lambda kv: -kv[1])[:5] if last else []
+        # one tensor, one entry: a block whose output a norm reads is that norm's
+        merged = set(last.act_alias) if last else set()
+        seen = [kv for kv in (last.act_max.items() if last else ()) if kv[0] not in merged]
+        top = sorted(seen, key=lambda kv: -kv[1])[:5]
         forecast = {k: v for k, v in self.suite.forecast.items() if math.isfinite(v)}
         diagnosis = {
             "reason": reason,

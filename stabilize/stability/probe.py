@@ -7,8 +7,9 @@ Series, in a fixed order (so every rank stacks the same vector):
   finite in the reduction dtype (their output is NaN), largest row RMS (all but the first
   for the explicit backend, the one whose reduction can overflow; the norm hands its input
   and statistic to ``record_norm`` from its own forward);
-- ``h.{i}.attn``: an upper bound on the attention logit, max|q| max|k| / sqrt(d_head)
-  (Cauchy-Schwarz; the exact max would cost a second attention), on detailed steps only;
+- ``h.{i}.attn``: an upper bound on the attention logit, max|q| max|k| / sqrt(d_head) (or
+  times the attention's own scale), per head (Cauchy-Schwarz; the exact max would cost a
+  second attention), from q and k as the scores see them up to a rotation, on detailed steps;
 - ``h.{i}.attn``, on logged steps: the lowest head entropy, from one sequence's attention
   probabilities at strided query rows (param_stats.lowest_head_entropy);
 - the output logits' log Z (max, and sum + token count for the mean), every step;
@@ -21,9 +22,15 @@ grad norm | update ratio | overflow rows | collapsed rows | NaN rows | log Z sum
 where ``lead`` slots are the caller's (the stability callback writes the step's
 loss, grad norm, loss scale and found-inf flag there: the whole step is then one vector):
 maxima fold in with max (NaN wins), counts with +, across the micro-batches of one optimizer
-step; ``reset()`` starts the next step. On CPU the |x| max is one pass of a C++ kernel
-(``stabilize.cpu_kernels.absmax_into``) written straight into its slot, and the attention
-bound's per-head q and k norms one pass each (``head_norm_max``, strided views read in place).
+step; ``reset()`` starts the next step. A slot nothing wrote is not measured, never a zero:
+maxima start at -inf (or -1) and ``unpack`` leaves such a series out. On CPU the |x| max is
+one pass of a C++ kernel (``stabilize.cpu_kernels.absmax_into``) written straight into its
+slot, and the attention bound's per-head q and k norms one pass each (``head_norm_max``,
+strided views read in place).
+
+One tensor, one unit: a block whose output *is* the next norm's input (pre-norm) is read
+once, by the norm, and judged once (readout.py ``Units``: found by identity on a model we
+did not build).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from stabilize.stability.param_stats import (
     param_groups_by_block,
     sampled_queries,
 )
+from stabilize.stability.readout import Units, unpack
 from stabilize.stability.view import ModelView, view_of
 
 
@@ -95,13 +103,11 @@ class StabilityProbe:
         self.measure_log_z = True  # off: not recorded (scripts/bench_logits.py toggles it)
         self.detailed = False
         # A block whose output is exactly the input of the next norm, which the norm
-        # already measures (view.aliases): reading the same tensor twice would only cost
-        # another pass.
-        self._alias = dict(view.aliases)
-        self._norm_index = {name: j for j, name in enumerate(self.norms)}
-        for i, (name, block) in enumerate(view.blocks):
-            if name not in self._alias:
-                self._handles.append(block.register_forward_hook(self._block_hook(i)))
+        # already measures (view.aliases, or found at the first forward: readout.Units):
+        # reading the same tensor twice would only cost another pass, and judging it
+        # twice would warn twice.
+        self.units = Units(view.aliases, self.norms)
+        self.units.hook_blocks(view.blocks, self._block_hook)
         self.dims = {s.name: s.width for s in view.norms}
         self._norm_modules = [s.module for s in view.norms if s.reports]
         for j, site in enumerate(view.norms):
@@ -119,6 +125,9 @@ class StabilityProbe:
     def _allocate(self, device) -> None:
         self.buf = torch.zeros(self.size, device=device)
         self._fresh = torch.zeros(self.size, device=device)
+        # |x| max and the attention bound: -inf until measured (a block or norm that did not
+        # run, a block whose heads were not found), left out by unpack
+        self._fresh[self._o_block : self._o_rms] = -math.inf
         # RMS -1: not measured (the fused and torch backends reduce in fp32 and report none)
         self._fresh[self._o_rms : self._o_ent] = -1.0
         # not measured: entropy and log Z max -inf, the parameter norms -1 (unpack drops them)
@@ -133,6 +142,7 @@ class StabilityProbe:
         ``logged`` (default: ``detailed``) the lowest head entropy and, at the optimizer
         step, the per-block gradient norms and update ratios (``record_params``)."""
         self.detailed, self.logged = detailed, detailed if logged is None else logged
+        self.units.step()
         dev = torch.device(device) if device is not None else next(self.model.parameters()).device
         have = self.buf.device if self.buf is not None else None
         # "cuda" (no index) names the current device: only a different type or index moves
@@ -154,10 +164,15 @@ class StabilityProbe:
 
     # ---- writers (training forwards only) ---------------------------------------------------
     def _block_hook(self, i):
+        name = self.blocks[i]
+
         def hook(module, args, out):
             if module.training and self.buf is not None:
                 # a Hugging Face block returns a tuple (hidden states first) in transformers 4
-                absmax_into(out[0] if isinstance(out, tuple) else out, self.buf, self._o_block + i)
+                h = out[0] if isinstance(out, tuple) else out
+                absmax_into(h, self.buf, self._o_block + i)
+                if self.units.finding:
+                    self.units.block_out(name, h)
 
         return hook
 
@@ -168,6 +183,8 @@ class StabilityProbe:
         def hook(module, args):  # a norm that is not ours: its input, before it runs
             if not (module.training and self.buf is not None and args):
                 return
+            if self.units.last is not None:
+                self.units.norm_in(j, args[0])
             if dt is None:  # it reduces in fp32 (find_norms): only a non-finite row breaks it
                 absmax_into(args[0], self.buf, self._o_norm + j)
                 return
@@ -207,7 +224,7 @@ class StabilityProbe:
         return hook
 
     def _k_hook(self, i):
-        heads = self.view.attn[i].heads
+        heads, scale = self.view.attn[i].heads, self.view.attn[i].scale
 
         def hook(module, args, out):
             if not module.training or self.buf is None or recomputing():
@@ -216,10 +233,12 @@ class StabilityProbe:
                 out = heads(out, False)
             with torch.no_grad():
                 if self._q[i] is not None:
-                    kn = head_norm_max(out)  # [H_kv]
-                    if kn.numel() != self._q[i].numel():  # grouped queries share a key head
-                        kn = kn.repeat_interleave(self._q[i].numel() // kn.numel())
-                    v = (self._q[i] * kn).amax() / math.sqrt(out.shape[-1])
+                    qn, kn = self._q[i], head_norm_max(out)  # [H], [H_kv]
+                    if qn.numel() % kn.numel() == 0:  # grouped queries share a key head
+                        v = (qn * kn.repeat_interleave(qn.numel() // kn.numel())).amax()
+                    else:  # heads pooled (shape ambiguous): every q against every k
+                        v = qn.amax() * kn.amax()
+                    v = v * (scale if scale is not None else 1.0 / math.sqrt(out.shape[-1]))
                     k = self._o_attn + i
                     self.buf[k] = torch.maximum(self.buf[k], v)
                 if self._qs[i] is not None:
@@ -295,6 +314,8 @@ class StabilityProbe:
         buf = self.buf
         if buf is None:
             return
+        if self.units.last is not None:
+            self.units.norm_in(j, x)
         if ms is None:
             absmax_into(x, buf, self._o_norm + j)
             return
@@ -323,7 +344,7 @@ class StabilityProbe:
 
         maxima = [block |x| max..., attn bound..., norm |x| max..., norm RMS max...]
         counts = [norm overflow rows..., norm collapsed rows..., norm NaN rows...]
-        A pre-norm block's own slot stays 0: ``unpack`` reads it from the next norm's.
+        A pre-norm block's own slot stays -inf: ``unpack`` reads it from the next norm's.
         """
         if self.buf is None:
             self.reset(detailed=False, device=device)
@@ -331,40 +352,9 @@ class StabilityProbe:
         return self.buf[self.lead : end], self.buf[end:]
 
     def unpack(self, maxima: list[float], counts: list[float]) -> dict[str, dict[str, float]]:
-        """Host lists -> named dicts for StepStats (a series not measured this step is
-        left out: an empty dict)."""
-        nb, na, nn_ = len(self.blocks), len(self.attn), len(self.norms)
-        at = {
-            k: getattr(self, f"_o_{k}") - self.lead
-            for k in ("norm", "rms", "ent", "lz", "gn", "upd", "g2v", "opt")
-        }
-        norm_max = maxima[at["norm"] : at["rms"]]
-        blocks = maxima[:nb]
-        for i, name in enumerate(self.blocks):
-            if name in self._alias:  # measured by the next norm (its input |x| max)
-                blocks[i] = norm_max[self._norm_index[self._alias[name]]]
-        out = {
-            "act_max": dict(zip(self.blocks, blocks, strict=True)),
-            "attn_logit": dict(zip(self.attn, maxima[nb : nb + na], strict=True)),
-        }
-        out["act_max"].update(zip(self.norms, norm_max, strict=True))
-        out["norm_rms_max"] = {
-            k: v for k, v in zip(self.norms, maxima[at["rms"] : at["ent"]], strict=True) if v >= 0
-        }
-        for k, field in enumerate(self.COUNTS):
-            out[field] = dict(zip(self.norms, counts[k * nn_ : (k + 1) * nn_], strict=True))
-        ent = maxima[at["ent"] : at["lz"]]
-        out["attn_entropy"] = {k: -v for k, v in zip(self.attn, ent, strict=True) if v != -math.inf}
-        lz_max, (lz_sum, n) = maxima[at["lz"]], counts[3 * nn_ :]
-        out["log_z"] = {"mean": lz_sum / n, "max": lz_max} if n > 0 else {}
-        groups = list(self.param_groups)
-        for field, o in (("layer_grad_norm", "gn"), ("update_ratio", "upd"), ("g2_v", "g2v")):
-            vals = maxima[at[o] : at[o] + len(groups)]
-            out[field] = {g: v for g, v in zip(groups, vals, strict=True) if not v < 0}
-        opt = zip(self.OPT, maxima[at["opt"] : at["opt"] + len(self.OPT)], strict=True)
-        out["opt"] = {k: v for k, v in opt if v != -math.inf and not (k[:4] != "curv" and v < 0)}
-        out["norm_dim"] = self.dims  # constant: the RMS line 255.94 / sqrt(D) needs D
-        return out
+        """Host lists -> named dicts for StepStats (readout.py: a value not measured this
+        step is left out, never reported as 0)."""
+        return unpack(self, maxima, counts)
 
     @staticmethod
     def _remove(handles: list) -> None:
@@ -374,6 +364,7 @@ class StabilityProbe:
 
     def remove(self) -> None:
         """Detach from the model: hooks removed, the norms stop reporting."""
+        self.units.remove()
         self._remove(self._handles)
         self._remove(self._attn_handles)
         self.view.detach_sink(self)

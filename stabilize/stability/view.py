@@ -7,8 +7,11 @@ The probe (probe.py), the gradient scan (grad_scan.py) and the per-block paramet
 - ``norms``: every normalization module, ``NormSite`` (name, module, width, whether it
   reports its own statistic: our zoo ``Norm`` calls ``record_norm`` from its forward; any
   other norm is read by a forward pre-hook on its input);
-- ``attn``: per block, where its queries and keys come out (``AttnSite``; None: not found);
-- ``aliases``: block -> the norm whose input *is* that block's output (read once, by the norm);
+- ``attn``: per block, where its queries and keys come out as the scores see them, up to a
+  rotation (``AttnSite``; None: not found, or not measurable there: ``inspect_model``'s
+  ``qk_notes`` says why);
+- ``aliases``: block -> the norm whose input *is* that block's output (read once, by the norm;
+  our GPT's from its placement, any other model's found by the probe at its first forward);
 - ``log_z``: ``"sink"`` (our loss hands the probe its log Z), ``"head"`` (a hook on the output
   projection's logits, on detailed steps) or None.
 
@@ -58,6 +61,8 @@ class AttnSite:
     entropy: bool = True
     """The lowest head entropy is measured: q and k are the ones the softmax sees. Off on a
     model we did not build: its q / k may be rotated (RoPE) after these modules."""
+    scale: float | None = None
+    """What the attention multiplies q.k by; None: 1/sqrt(head width)."""
 
 
 @dataclass
@@ -114,22 +119,23 @@ def gpt_view(model: nn.Module) -> ModelView:
     return ModelView(model, blocks, norms, attn, aliases, log_z="sink")
 
 
-def _head_dim(block: nn.Module) -> int | None:
-    """The attention's per-head width, from the attributes Hugging Face and most
-    implementations set (``head_dim``; else width / heads)."""
-    for m in block.modules():
-        hd = getattr(m, "head_dim", None)
-        if isinstance(hd, int) and hd > 0:
-            return hd
-        for heads in ("num_heads", "n_head", "num_attention_heads"):
-            h, d = getattr(m, heads, None), getattr(m, "embed_dim", None)
-            if isinstance(h, int) and isinstance(d, int) and h > 0 and d % h == 0:
-                return d // h
-    return None
+def _heads(src: QKSource):
+    """(a q or k module's output, is it q) -> [B, H, T, hd], a strided view. A projection's
+    output is [B, T, H * hd] (a fused one's columns cut first); a per-head norm's is 4-D,
+    [B, T, H, hd] as Hugging Face applies it before the transpose, or [B, H, T, hd]: told
+    apart by the head count, and where T equals it the heads are pooled into one (the max
+    over every head of q times that of k still bounds each head's logits)."""
+    hd = src.head_dim
 
-
-def _heads(src: QKSource, hd: int):
     def split(out: torch.Tensor, is_q: bool) -> torch.Tensor:
+        h = src.heads[0] if is_q else src.heads[1]
+        if out.dim() == 4:
+            b, t1, t2, _ = out.shape
+            if t2 == h and t1 != h:
+                return out.transpose(1, 2)  # [B, T, H, hd] -> [B, H, T, hd]
+            if t1 == h and t2 != h:
+                return out
+            return out.reshape(b, 1, -1, hd)  # [B, 1, H * T, hd]: one pooled head
         cols = src.q_cols if is_q else src.k_cols
         if cols is not None:
             out = out[..., cols[0] : cols[1]]
@@ -147,14 +153,12 @@ def foreign_view(model: nn.Module, blocks: str | None = None) -> ModelView:
         for n in found.norms
     ]
     attn: list[AttnSite | None] = []
-    for (name, block), src in zip(found.blocks, found.qk, strict=True):
-        hd = _head_dim(block)
-        if src is None or hd is None:
+    for (name, _), src in zip(found.blocks, found.qk, strict=True):
+        if src is None:  # not found, or not measurable there (found.qk_notes says why)
             attn.append(None)
             continue
-        attn.append(
-            AttnSite(f"{name}.attn", src.q_module, src.k_module, _heads(src, hd), entropy=False)
-        )
+        site = AttnSite(f"{name}.attn", src.q_module, src.k_module, _heads(src), False, src.scale)
+        attn.append(site)
     head = found.head[1] if found.head else None
     # model=hf's model hands its loss's log Z over as ours does (model/hf_arch.py)
     sink = getattr(getattr(model, "logit_softcap", None), "stats_sink", False) is not False
