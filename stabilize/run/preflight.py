@@ -201,8 +201,9 @@ def check_data(cfg: RunConfig, world: int) -> None:
 @contextmanager
 def _quiet_datasets() -> Iterator[None]:
     """No datasets progress bars on stderr from the check (an error must stay one line).
-    A cached corpus needs no ``datasets`` at all: it is not imported for this (about a
-    second of every start and restart, 2 cores); one imported inside reads the variable."""
+    A cached corpus needs no ``datasets`` at all: it is not imported for this (0.5-0.7 s of
+    import time per process, at every start and restart); one imported inside reads the
+    variable."""
     import sys
 
     key = "HF_DATASETS_DISABLE_PROGRESS_BARS"
