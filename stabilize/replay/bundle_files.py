@@ -158,6 +158,8 @@ def open_bundle(path: str | os.PathLike) -> Bundle:
     """The bundle at ``path``, every file checked against its manifest; else ``BadBundle``."""
     import hashlib
 
+    from stabilize.stability.bundle import sha256
+
     root = Path(path)
     files = _read_manifest(root)
     extra = _unlisted(root, files)
@@ -177,18 +179,13 @@ def open_bundle(path: str | os.PathLike) -> Bundle:
             raise BadBundle(f"{f}: {why}")
         if f.stat().st_size != want["bytes"]:
             raise BadBundle(f"{f}: {f.stat().st_size} bytes, the manifest says {want['bytes']}")
-        h = hashlib.sha256()
-        keep = "/" not in name  # the state/ shards are read by DCP from disk
-        data = bytearray() if keep else None
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-                if data is not None:
-                    data += chunk
-        if h.hexdigest() != want["sha256"]:
+        if "/" in name:  # the state/ shards: read by DCP from disk, hashed as a stream
+            digest = sha256(f)
+        else:  # read once: the bytes hashed are the bytes loaded (BytesIO shares them)
+            blobs[name] = f.read_bytes()
+            digest = hashlib.sha256(blobs[name]).hexdigest()
+        if digest != want["sha256"]:
             raise BadBundle(f"{f}: damaged (its SHA-256 is not the manifest's)")
-        if data is not None:
-            blobs[name] = bytes(data)
     meta = _meta(root, blobs["meta.json"])
     if meta.get("state_omitted"):
         raise BadBundle(f"{root / 'state.pt'}: not in the bundle ({meta['state_omitted']})")
