@@ -89,7 +89,8 @@ def code_needed(host: dict[str, Any], code: CodeChoice) -> list[str]:
         named = [] if code.factory else [("model factory", host.get("factory"))]
         named += [] if code.loss else [("loss", host.get("loss"))]
     else:
-        named = [] if code.factory else [("module", host.get("factory") or host.get("module"))]
+        what = "factory" if host.get("factory") else "module"
+        named = [] if code.factory else [(what, host.get("factory") or host.get("module"))]
     return [f"{what} {name}" for what, name in named if name]
 
 
