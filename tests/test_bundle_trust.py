@@ -243,3 +243,22 @@ def test_bad_replay_flags_are_one_line(tmp_path, capsys, argv, words):
     d = tmp_path / "dir"
     d.mkdir()
     _refused(capsys, tmp_path, [a.replace("DIR", str(d)) for a in argv], words)
+
+
+def test_two_rollbacks_of_one_step_keep_both_bundles(tmp_path):
+    """The README's one run rolls step 11 back twice (lower_lr, then fp32_reduction): each
+    rollback's bundle is its own directory; at 83f9843 the second overwrote the first."""
+    import json as _json
+
+    run(compose_run(tmp_path, ["model=tiny", "norm=rmsnorm", "norm.placement=post",
+                               "norm.eps=1e-5", "norm.reduction_dtype=fp16",
+                               "precision=fp16-mixed", "trainer.max_steps=12", "logger=none",
+                               "trainer.val_check_interval=100",
+                               "trainer.final_eval_batches=1"]))  # fmt: skip
+    events = [_json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    rolled = [e for e in events if e["monitor"] == "rollback"]
+    assert len(rolled) == 2 and {e["step"] for e in rolled} == {11}, rolled
+    names = sorted(p.name for p in (tmp_path / "bundles").iterdir())
+    assert names == ["step-000011-loss_scale", "step-000011-loss_scale-2"], names
+    for name in names:  # both whole, both replayable
+        assert replay_main([str(tmp_path / "bundles" / name)]) in (0, 1)

@@ -387,8 +387,11 @@ class StabilityCallback(L.Callback):
                 print("[bundle] no repro bundle: the parameters are sharded", flush=True)
             self._bundled_note = True
             return
+        # a step rolled back before (another rung) gets its own dir, never the first's: the
+        # count is the policy's history, the same on every rank and kept in checkpoints
+        attempt = 1 + sum(h["fault_step"] == stats.step for h in self.policy.history)
         write_bundle(trainer, host, stats, worth, self._batches, self._positions, self.rcfg,
-                     self.run_dir, sharded=fsdp)  # fmt: skip
+                     self.run_dir, sharded=fsdp, attempt=attempt)  # fmt: skip
 
     def _scan_grads(self, trainer, host, stats: StepStats, events: list[Event]) -> None:
         """A non-finite gradient norm (a NaN or inf, an fp16 scaler skip): where it was made

@@ -89,10 +89,20 @@ def _pair(b: Any) -> bool:
 
 
 def write_bundle(
-    trainer, host, stats, events, batches, positions, rcfg, run_dir, sharded: bool = False
+    trainer,
+    host,
+    stats,
+    events,
+    batches,
+    positions,
+    rcfg,
+    run_dir,
+    sharded: bool = False,
+    attempt: int = 1,
 ) -> Path | None:
     """Every rank calls this at a faulty step (a collective under DDP and FSDP); rank 0
-    writes all but the FSDP shards. Returns the bundle's directory on rank 0."""
+    writes all but the FSDP shards. Returns the bundle's directory on rank 0. ``attempt``:
+    the step's how-manieth bundle (a step rolled back twice: ``step-NNNNNN-<monitor>-2``)."""
     rank, world = trainer.global_rank, trainer.world_size
     sampler = host.train_sampler()
     mine: dict[str, Any] = {"rank": rank, "positions": list(positions)}
@@ -112,6 +122,7 @@ def write_bundle(
     run_dir = Path(run_dir)
     first = events[0] if events else None
     name = f"step-{stats.step:06d}-{first.monitor if first else 'on-demand'}"
+    name += f"-{attempt}" if attempt > 1 else ""
     final = run_dir / "bundles" / name
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
