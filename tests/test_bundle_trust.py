@@ -262,3 +262,18 @@ def test_two_rollbacks_of_one_step_keep_both_bundles(tmp_path):
     assert names == ["step-000011-loss_scale", "step-000011-loss_scale-2"], names
     for name in names:  # both whole, both replayable
         assert replay_main([str(tmp_path / "bundles" / name)]) in (0, 1)
+
+
+def test_a_script_module_with_a_factory_beside_it_is_rebuilt_by_the_factory():
+    """``StabilityCallback(factory=...)`` is the way out for a module defined in a script:
+    the replay names (and, trusted, imports) the factory, never the ``__main__`` class."""
+    from stabilize.replay.rebuild import CannotRebuild, CodeChoice, rebuild_module
+
+    host = {"kind": "lightning", "module": "__main__:MyLM", "factory": "collections:OrderedDict",
+            "hparams": {}, "model_path": ""}  # fmt: skip
+    with pytest.raises(CannotRebuild, match="imports factory collections:OrderedDict"):
+        rebuild_module(host)
+    with pytest.raises(CannotRebuild, match="__main__:MyLM is defined in a script"):
+        rebuild_module({**host, "factory": None})
+    module, _ = rebuild_module(host, CodeChoice(trust_code=True))
+    assert type(module).__name__ == "OrderedDict"  # the factory ran, called with no hparams

@@ -99,7 +99,10 @@ def rebuild_module(host: dict[str, Any], code: CodeChoice = NO_CODE):
     step)``, the network the trace watches and ``step(batch) -> loss``, the run's own
     training step (a LightningModule's ``training_step``, ``self.log`` muted; a Guard's
     ``loss_fn``)."""
-    named = ("factory", "loss") if host.get("kind") == "guard" else ("factory", "module")
+    # the targets a rebuild would import (a Lightning run's factory stands for its module:
+    # a module defined in a script with a factory beside it is the factory's case)
+    used = "factory" if host.get("factory") else "module"
+    named = ("factory", "loss") if host.get("kind") == "guard" else (used,)
     for what in named:  # a script's class: no flag imports it
         if host.get(what) and not (code.loss if what == "loss" else code.factory):
             check_target(host[what], what)
