@@ -82,10 +82,19 @@ def read_offline_run(run_dir: str | Path, wait_s: float = 0.0) -> OfflineRun:
     """Parse one ``offline-run-*`` directory (or its .wandb file). The file is written by
     W&B's own service process, which may still be writing its tail after ``finish()``
     returned on a loaded machine: with ``wait_s`` it is read again until its exit record is
-    there (or the time is up; a crashed run never gets one)."""
+    there (or the time is up; a crashed run never gets one). A record cut mid-write (the
+    writer's tail, read too soon) is read again the same way."""
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + wait_s
     while True:
-        out = _read_once(Path(run_dir))
+        try:
+            out = _read_once(Path(run_dir))
+        except DecodeError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+            continue
         if out.finished or time.monotonic() >= deadline:
             return out
         time.sleep(0.2)
