@@ -277,3 +277,22 @@ def test_a_script_module_with_a_factory_beside_it_is_rebuilt_by_the_factory():
         rebuild_module({**host, "factory": None})
     module, _ = rebuild_module(host, CodeChoice(trust_code=True))
     assert type(module).__name__ == "OrderedDict"  # the factory ran, called with no hparams
+
+
+def test_the_next_command_a_foreign_bundle_is_given_carries_the_code_flags(bundle, tmp_path):
+    """A follow-up command that a replay or a report prints for a foreign bundle repeats the
+    flags that let its code be imported: without them, it would be refused."""
+    from stabilize.replay.rebuild import CodeChoice, code_flags
+    from stabilize.report.load import Run
+    from stabilize.report.single import _bundles
+
+    assert code_flags(CodeChoice()) == ""
+    assert code_flags(CodeChoice(factory="m:f", loss="m:g")) == "--factory m:f --loss m:g "
+    assert code_flags(CodeChoice(trust_code=True)) == "--trust-code "
+    run_dir = tmp_path / "run"
+    ours = run_dir / "bundles" / bundle.name
+    shutil.copytree(bundle, ours)
+    theirs = _tampered(bundle, tmp_path, {"kind": "guard", "factory": "m:build", "loss": "m:f"})
+    shutil.move(theirs, run_dir / "bundles" / "step-000009-grad_spike")
+    got = {d.name: flag for d, _, flag in _bundles(Run("r", "", {}, [], path=run_dir))}
+    assert got == {bundle.name: "", "step-000009-grad_spike": "--trust-code "}

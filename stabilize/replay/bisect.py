@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from stabilize.replay.core import fails, replay
-from stabilize.replay.rebuild import NO_CODE, CodeChoice
+from stabilize.replay.rebuild import NO_CODE, CodeChoice, code_flags
 
 
 # ---- precision: the fewest norms in fp32 that clear the step --------------------------------
@@ -79,7 +79,7 @@ def precision_main(bundle: Path, code: CodeChoice = NO_CODE) -> int:
     if b["failing"] and not b["sites"]:  # it reproduces: the norms are not why (issue 34)
         print(f"{head}: the step fails in the replay, but every norm of the run already "
               "reduces in fp32: there is no 16-bit norm to bisect; the sequences that fail "
-              f"it: stabilize-replay --data {bundle}")  # fmt: skip
+              f"it: stabilize-replay --data {code_flags(code)}{bundle}")  # fmt: skip
         return 1
     if b["culprits"] is None:
         print(f"{head}: the step does not fail in the replay (nothing to bisect)")
@@ -286,7 +286,8 @@ def data_main(bundle: Path, code: CodeChoice = NO_CODE, force: bool = False) -> 
         # run's future takes the run's own verdict over a bisection that any row can pass
         # when the whole model fails
         norms = cls == "deterministic"
-        hint = f"the norms to switch, if any: stabilize-replay --bisect {bundle}; " if norms else ""
+        again = f"stabilize-replay --bisect {code_flags(code)}{bundle}"
+        hint = f"the norms to switch, if any: {again}; " if norms else ""
         print(f"not recorded: the run classed this fault {cls} ({NOT_DATA[cls]}); skipping "
               f"them would change what a resume trains on, not the fault ({hint}--record "
               "records them anyway)")  # fmt: skip

@@ -54,6 +54,14 @@ class CodeChoice:
 NO_CODE = CodeChoice()  # no flag given: nothing the bundle names is imported
 
 
+def code_flags(code: CodeChoice) -> str:
+    """The command-line flags that gave ``code`` (a suggested next command repeats them)."""
+    flags = ["--trust-code"] if code.trust_code else []
+    flags += [f"--factory {code.factory}"] if code.factory else []
+    flags += [f"--loss {code.loss}"] if code.loss else []
+    return "".join(f"{f} " for f in flags)
+
+
 def check_target(target: Any, what: str) -> str:
     """``target`` as ``pkg.mod:Name``, or ``CannotRebuild`` naming ``what``."""
     mod, _, qual = str(target).partition(":")

@@ -27,22 +27,26 @@ from stabilize.report.summary import LAST_STEPS, ArmSummary
 FAULTS = ("overflow", "nonfinite")
 
 
-def _bundles(run: Run) -> list[tuple[Path, str]]:
-    """(bundle dir, "step N, monitor") of every bundle the run kept, by step."""
+def _bundles(run: Run) -> list[tuple[Path, str, str]]:
+    """(bundle dir, "step N, monitor", the replay's code flag) of every bundle the run kept,
+    by step."""
     if run.path is None or not (run.path / "bundles").is_dir():
         return []
     out = []
     for d in sorted((run.path / "bundles").iterdir()):
         if not d.is_dir() or not d.name.startswith("step-"):
             continue
-        what = d.name.removeprefix("step-")
+        what, flag = d.name.removeprefix("step-"), ""
         try:
             meta = json.loads((d / "meta.json").read_text())
             monitors = sorted({e.get("monitor") for e in meta.get("events", [])} - {None})
             what = f"step {meta.get('step')}, {', '.join(monitors) or '?'}"
+            # a model we did not build: its replay imports the user's code, by their choice
+            if (meta.get("host") or {}).get("kind") in ("lightning", "guard"):
+                flag = "--trust-code "
         except (OSError, ValueError, AttributeError):
             pass
-        out.append((d, what))
+        out.append((d, what, flag))
     return out
 
 
@@ -105,10 +109,10 @@ def _sentences(run: Run, a: ArmSummary) -> list[str | tuple[str, ...]]:
         else:
             out.append("No remedy was tried.")
     bundles = _bundles(run)
-    for d, what in bundles:
+    for d, what, flag in bundles:
         out.append((
-            text(f"Repro bundle {d} ({what}): "), code(f"stabilize-replay {d}"),
-            text(" replays that step; "), code(f"stabilize-replay --bisect {d}"),
+            text(f"Repro bundle {d} ({what}): "), code(f"stabilize-replay {flag}{d}"),
+            text(" replays that step; "), code(f"stabilize-replay --bisect {flag}{d}"),
             text(" finds the fewest norms whose fp32 reduction clears it."),
         ))  # fmt: skip
     if links and not bundles:
