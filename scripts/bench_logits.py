@@ -52,9 +52,9 @@ class LogitToggle(Toggle):
 
     def on_train_start(self, trainer, pl_module):
         StepClock.on_train_start(self, trainer, pl_module)  # not Toggle's probe switch
-        sc = self.sc = next(c for c in trainer.callbacks if isinstance(c, StabilityCallback))
+        sc = self.sc = next(c for c in trainer.callbacks if isinstance(c, StabilityCallback)).engine
         self.monitors = {k: sc.suite.monitors[k] for k in NEW}
-        self.always = sc._detailed_always
+        self.always = sc.detailed_always
         probe, reset = sc.probe, sc.probe.reset
 
         def gated_reset(detailed=True, device=None, logged=None):
@@ -74,7 +74,7 @@ class LogitToggle(Toggle):
                 sc.suite.monitors[k] = self.monitors[k]
             else:
                 sc.suite.monitors.pop(k, None)
-        sc._detailed_always = self.always if on else False
+        sc.detailed_always = self.always if on else False
         probe.measure_log_z = on
 
 

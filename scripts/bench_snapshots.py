@@ -52,7 +52,7 @@ class SnapClock(L.Callback):
 
     def setup(self, trainer, pl_module, stage):
         sc = next(c for c in trainer.callbacks if isinstance(c, StabilityCallback))
-        self.sc, ctl = sc, sc.controller
+        self.sc, ctl = sc.engine, sc.engine.controller
         real = ctl.snapshot
 
         def timed(*args, **kwargs):

@@ -20,6 +20,7 @@ _EXPORTS = {
     "StabilityAbort": "stabilize.stability.controller",
     "Guard": "stabilize.guard",
     "Verdict": "stabilize.guard",
+    "HFStabilityCallback": "stabilize.hf_trainer",
     "MonitorConfig": "stabilize.monitors",
     "RollbackConfig": "stabilize.rollback",
     "FaultConfig": "stabilize.faults",

@@ -50,6 +50,15 @@ def scaler_scale(scaler: Any) -> Any:
     return getattr(scaler, "_scale", None)
 
 
+def scaler_unscaled(scaler: Any, optimizer: Any) -> bool:
+    """Has ``scaler.unscale_(optimizer)`` run since the last ``update()``? (A second call
+    raises; the standard clipping recipe calls it before the step.)"""
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"] is OptState.UNSCALED
+
+
 def found_inf_per_device(scaler: Any, optimizer: Any) -> dict:
     """After ``unscale_``: per device, whether a gradient was inf/NaN (the scaler will skip
     the step), as tensors: no host sync, unlike reading the step's outcome afterwards."""

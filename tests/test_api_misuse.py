@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import stabilize
-from stabilize.lit.host import StabilityConfigError
+from stabilize.stability.driven import StabilityConfigError
 from stabilize.validate import ConfigError
 
 
@@ -261,7 +261,7 @@ def test_a_bad_callback_setting_is_one_line_at_construction(tmp_path, kw, words)
 
 def test_one_skip_items_entry_may_be_given_as_a_string(tmp_path):
     cb = stabilize.StabilityCallback(run_dir=tmp_path, skip_items="3:0123456789abcdef")
-    assert list(cb.skip_items) == ["3:0123456789abcdef"]
+    assert list(cb.engine.skip_items) == ["3:0123456789abcdef"]
 
 
 # ---- the callback's model path and blocks: refused at set-up, before the run dir is made ---

@@ -129,7 +129,7 @@ def test_a_config_class_is_rebuilt_through_the_registry_only():
         rebuild_value({"c": {"__class__": "builtins:eval"}})
     transformers = pytest.importorskip("transformers")
     llama = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2)
-    from stabilize.lit.host import plain
+    from stabilize.stability.driven import plain
 
     back = rebuild_value(plain({"config": llama}))["config"]
     assert type(back) is transformers.LlamaConfig and back.hidden_size == 64

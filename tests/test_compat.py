@@ -41,10 +41,15 @@ def test_grad_scaler_internals_without_a_host_sync():
     assert compat.scaler_scale(scaler) is None  # before its first scale()
     scaler.scale(model(torch.ones(2, 3)).sum()).backward()
     model.weight.grad[0, 0] = float("inf")
+    assert not compat.scaler_unscaled(scaler, opt)
     scaler.unscale_(opt)
+    assert compat.scaler_unscaled(scaler, opt)  # a second unscale_ would raise
     assert compat.scaler_scale(scaler).item() == 256.0
     found = compat.found_inf_per_device(scaler, opt)
     assert sum(v.item() for v in found.values()) == 1.0  # the inf the step will skip on
+    scaler.step(opt)
+    scaler.update()
+    assert not compat.scaler_unscaled(scaler, opt)  # a new step: unscale_ is due again
 
 
 def test_torch_and_datasets_internals():

@@ -574,29 +574,25 @@ def test_probe_folds_micro_batches_and_counts_overflowed_rows_like_a_float64_ref
 
 
 def _bare_stability(tmp_path, **rollback):
-    """The stability callback on a two-layer model with a real AdamW and scheduler, and just
-    enough of a trainer for ``_snapshot``/``restore``; ``train(n)`` takes n real steps."""
+    """The stability engine on a two-layer model with a real AdamW and scheduler, in a plain
+    loop's ``Loop`` (guard.py), just enough for ``snapshot``/``restore``; ``train(n)`` takes
+    n real steps."""
     from types import SimpleNamespace
 
     from stabilize.faults import FaultConfig
-    from stabilize.lit.stability import StabilityCallback
+    from stabilize.guard import GuardLoop
     from stabilize.monitors import MonitorConfig
     from stabilize.rollback import RollbackConfig
+    from stabilize.stability.engine import StabilityEngine
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    trainer = SimpleNamespace(
-        optimizers=[opt],
-        lr_scheduler_configs=[SimpleNamespace(scheduler=sched)],
-        precision_plugin=SimpleNamespace(),
-        is_global_zero=True,
-    )
+    cb = StabilityEngine(MonitorConfig(), RollbackConfig(**rollback), FaultConfig(), tmp_path)
     pl = SimpleNamespace(model=model, train_state=TrainState(model))
-    cb = StabilityCallback(
-        MonitorConfig(), RollbackConfig(**rollback), FaultConfig(), str(tmp_path)
-    )
+    cb.loop, cb.host = GuardLoop(opt, None, [sched], tmp_path, 10), pl
+    trainer = None
 
     def train(n):
         for _ in range(n):
@@ -637,7 +633,7 @@ def test_snapshots_reuse_their_buffers_and_a_restore_never_aliases_one(tmp_path)
     snaps = []
     for _ in range(3):
         train(1)
-        cb._snapshot(trainer, pl)
+        cb.snapshot()
         snaps.append(cb.ring.ring[-1])
     a, b, c = snaps
     assert cb.ring.steps() == [2, 3]
@@ -652,7 +648,7 @@ def test_snapshots_reuse_their_buffers_and_a_restore_never_aliases_one(tmp_path)
     )
     ref = frozen(b.state)
     for _ in range(2):  # two rollbacks to the same snapshot, training in between
-        cb.restore(trainer, pl, b.state)
+        cb.restore(b.state)
         assert torch.equal(opt.state[model[0].weight]["exp_avg"], ref["optimizer"][0]["exp_avg"])
         assert torch.equal(model[0].weight, ref["model"]["0.weight"])
         train(2)
@@ -660,7 +656,7 @@ def test_snapshots_reuse_their_buffers_and_a_restore_never_aliases_one(tmp_path)
     # a rollback drops the newer snapshots; their buffers serve the next one
     cb.ring.drop_after(b.step)
     assert cb.ring.steps() == [2]
-    cb._snapshot(trainer, pl)
+    cb.snapshot()
     assert cb.ring.ring[-1].state["model"]["0.weight"] is c.state["model"]["0.weight"]
     assert_equal(b.state, ref)
 
@@ -688,11 +684,11 @@ def test_durable_writes_run_in_the_background_and_never_see_a_recycled_buffer(
     for _ in range(3):
         train(1)
         t = time.perf_counter()
-        cb._snapshot(trainer, pl)
+        cb.snapshot()
         took[pl.train_state.model_step] = time.perf_counter() - t
         refs[pl.train_state.model_step] = _frozen(cb.ring.ring[-1].state)
     assert took[1] < 0.25  # the first write did not block training
-    cb.teardown(trainer, pl, "fit")  # waits for the last write
+    cb.writer.close()  # waits for the last write
     assert threads and all(n.startswith("stabilize-durable") for n in threads)
     files = sorted((tmp_path / "snapshots").glob("snapshot-*.pt"))
     assert [f.name for f in files] == [f"snapshot-{i:06d}.pt" for i in (1, 2, 3)]
@@ -707,7 +703,7 @@ def test_a_failed_durable_write_is_raised_on_the_training_thread(tmp_path):
     cb, trainer, pl, _opt, train = _bare_stability(tmp_path, keep=2, durable_every=1)
     (tmp_path / "snapshots").write_text("a file where the directory should be")
     train(1)
-    cb._snapshot(trainer, pl)  # submitted; it fails on the writer thread
+    cb.snapshot()  # submitted; it fails on the writer thread
     with pytest.raises((FileExistsError, NotADirectoryError)):
         cb.writer.wait()
     cb.writer.close()
@@ -718,7 +714,7 @@ def test_durable_async_false_writes_in_line(tmp_path):
         tmp_path, keep=2, durable_every=1, durable_async=False
     )
     train(1)
-    cb._snapshot(trainer, pl)  # returns after the file is on disk, no thread involved
+    cb.snapshot()  # returns after the file is on disk, no thread involved
     assert cb.writer._pool is None
     snap = load_durable(tmp_path / "snapshots" / "snapshot-000001.pt")
     _assert_state_equal(snap.state, _frozen(cb.ring.ring[-1].state))

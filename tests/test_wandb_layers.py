@@ -44,7 +44,7 @@ def test_a_deep_models_layers_are_hidden_from_auto_panels_and_drawn_one_chart_ea
     wandb = WandbLogger(save_dir=tmp_path, mode="offline", project="mine", anonymous=None)
     csv_logger = CSVLogger(tmp_path, name="csv", version=0)
     cb = stabilize.StabilityCallback()  # layer_panels=24: 13 blocks give act/ 40 keys
-    cb.sink.layers.points = 2  # the thinning, by hand below
+    cb.engine.sink.layers.points = 2  # the thinning, by hand below
     trainer = L.Trainer(max_steps=STEPS, accelerator="cpu", log_every_n_steps=1,
                         logger=[csv_logger, wandb], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,

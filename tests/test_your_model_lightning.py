@@ -276,7 +276,7 @@ class _Manual(GPT2LM):
     ],
 )  # fmt: skip
 def test_what_the_callback_cannot_watch_is_refused_in_one_line(tmp_path, module, kw, words):
-    from stabilize.lit.host import StabilityConfigError
+    from stabilize.stability.driven import StabilityConfigError
 
     torch.manual_seed(0)
     cb = stabilize.StabilityCallback(run_dir=tmp_path / "run", **kw)

@@ -22,6 +22,7 @@ from stabilize.bench.stats import median_time
 from stabilize.lit.stability import StabilityCallback
 from stabilize.monitors import ROLLBACK, Event
 from stabilize.rollback import save_durable
+from stabilize.stability.engine import StabilityEngine
 
 # the parts timed in the window -> their column in the report; each is wrapped in
 # BenchClock.on_train_start (a new part: one entry here, one _wrap there)
@@ -74,17 +75,17 @@ class BenchClock(StepClock):
         setattr(obj, attr, timed)  # an instance attribute: this run's callback only
 
     @staticmethod
-    def _stability(trainer) -> StabilityCallback:
-        return next(cb for cb in trainer.callbacks if isinstance(cb, StabilityCallback))
+    def _stability(trainer) -> StabilityEngine:
+        return next(cb for cb in trainer.callbacks if isinstance(cb, StabilityCallback)).engine
 
     def on_train_start(self, trainer, pl_module):
         self._trainer = trainer
         super().on_train_start(trainer, pl_module)
         sc = self._stability(trainer)
-        self._wrap(sc, "_gather", "gather")
+        self._wrap(sc, "gather_step", "gather")
         self._wrap(sc.suite, "update", "monitors")
-        self._wrap(sc, "_log_stats", "log_stats")
-        self._wrap(sc, "_snapshot", "snapshot")
+        self._wrap(sc, "log_stats", "log_stats")
+        self._wrap(sc, "snapshot", "snapshot")
         # the step's grad norm is computed by its first caller (now the gather; clipping
         # reuses it): the off arm pays it too, in clipping, so it is taken out of "gather"
         self._wrap(pl_module, "grad_total_norm", "grad_norm")
@@ -97,13 +98,11 @@ class BenchClock(StepClock):
         if step == self.edges[1] and sc.rcfg.enabled:
             self._time_rollback(trainer, pl_module, sc)
 
-    def _time_rollback(self, trainer, pl_module, sc: StabilityCallback) -> None:
+    def _time_rollback(self, trainer, pl_module, sc: StabilityEngine) -> None:
         sync = torch.cuda.synchronize if pl_module.device.type == "cuda" else lambda: None
         durable_every, sc.rcfg.durable_every = sc.rcfg.durable_every, 0
         self.durable_every = durable_every
-        self.timings["snapshot"] = median_time(
-            lambda: (sc._snapshot(trainer, pl_module), sync()), self.reps
-        )
+        self.timings["snapshot"] = median_time(lambda: (sc.snapshot(), sync()), self.reps)
         sc.rcfg.durable_every = durable_every
         snap = sc.ring.ring[-1]  # at the current model step
         self.snapshot_mb = nbytes(snap.state) / 2**20
@@ -122,7 +121,7 @@ class BenchClock(StepClock):
         self.timings["handover"] = statistics.median(handover)
 
         def restore():
-            sc.restore(trainer, pl_module, snap.state)
+            sc.restore(snap.state)
             sync()
 
         self.timings["restore"] = median_time(restore, self.reps)
@@ -135,7 +134,7 @@ class BenchClock(StepClock):
 
         def rollback():
             sc.policy.history.clear()
-            sc._rollback(trainer, pl_module, event)
+            sc.rollback(event)
             sync()
 
         self.timings["rollback"] = median_time(rollback, self.reps)

@@ -37,9 +37,10 @@ class Toggle(StepClock):
 
     def on_train_start(self, trainer, pl_module):
         super().on_train_start(trainer, pl_module)
-        self.sc = next(cb for cb in trainer.callbacks if isinstance(cb, StabilityCallback))
+        cb = next(cb for cb in trainer.callbacks if isinstance(cb, StabilityCallback))
+        self.sc = cb.engine
         self.model = pl_module.model
-        self.judge = self.sc.on_before_optimizer_step
+        self.judge = self.sc.judge
         self.stamp(0)
 
     def _switch(self, on: bool) -> None:
@@ -49,8 +50,8 @@ class Toggle(StepClock):
         elif not on and sc.probe is not None:
             sc.probe.remove()
             sc.probe = None
-        # an instance attribute: Lightning looks hooks up on the callback object
-        sc.on_before_optimizer_step = self.judge if on else (lambda *a, **k: None)
+        # an instance attribute: the callback's on_before_optimizer_step calls it
+        sc.judge = self.judge if on else (lambda *a, **k: None)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         g = trainer.global_step
@@ -74,11 +75,11 @@ class FingerprintToggle(Toggle):
         sc = self.sc
         n = self.every if on else 0
 
-        def gather(trainer, pl_module, optimizer):
-            due = bool(n) and (pl_module.train_state.model_step + 1) % n == 0
-            return sc.gather(trainer, pl_module, optimizer, sc.probe, replicas=due)
+        def gather():
+            due = bool(n) and (sc.host.train_state.model_step + 1) % n == 0
+            return sc.gather(sc.loop, sc.host, sc.loop.optimizer(), sc.probe, replicas=due)
 
-        sc._gather = gather  # an instance attribute: on_before_optimizer_step calls it
+        sc.gather_step = gather  # an instance attribute: the engine's judge calls it
 
 
 def toggle_bench(

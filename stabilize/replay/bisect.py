@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stabilize.replay.bundle_files import FOREIGN
 from stabilize.replay.core import fails, replay
 from stabilize.replay.rebuild import NO_CODE, CodeChoice, code_flags
 
@@ -73,7 +74,7 @@ def precision_main(bundle: Path, code: CodeChoice = NO_CODE) -> int:
     from stabilize.replay.bundle_files import open_bundle
 
     opened = open_bundle(bundle)  # before anything is read of it
-    foreign = opened.meta.get("host", {}).get("kind") in ("lightning", "guard")
+    foreign = opened.meta.get("host", {}).get("kind") in FOREIGN
     b = precision(bundle, code)
     head = f"bisection over {len(b['sites'])} norms with a 16-bit reduction, {b['replays']} replays"
     if b["failing"] and not b["sites"]:  # it reproduces: the norms are not why (issue 34)

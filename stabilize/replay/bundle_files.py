@@ -49,7 +49,8 @@ _META: dict[str, tuple[type, ...]] = {
     "events": (list,),
 }
 _RECORDED = ("loss", "grad_norm", "loss_scale")
-HOST_KINDS = ("gpt", "lightning", "guard")
+HOST_KINDS = ("gpt", "lightning", "guard", "hf")
+FOREIGN = ("lightning", "guard", "hf")  # a model we did not build: rebuilt by replay/rebuild.py
 
 
 def entry_problem(name: Any) -> str | None:

@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from stabilize.replay.bundle_files import BadBundle, Bundle, open_bundle
+from stabilize.replay.bundle_files import FOREIGN, BadBundle, Bundle, open_bundle
 from stabilize.replay.rebuild import NO_CODE, CodeChoice
 
 TOLERANCE = 1e-4  # relative, where the comparison cannot be bitwise
@@ -62,7 +62,7 @@ def replay(
 
     b = bundle if isinstance(bundle, Bundle) else open_bundle(bundle)
     meta = b.meta
-    if meta.get("host", {}).get("kind") in ("lightning", "guard"):  # a model we did not build
+    if meta.get("host", {}).get("kind") in FOREIGN:  # a model we did not build
         from stabilize.replay.rebuild import replay_module
 
         model, step = _rebuilt(meta["host"], code)  # refused in one line before any import

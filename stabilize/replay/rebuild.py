@@ -123,6 +123,9 @@ def rebuild_module(host: dict[str, Any], code: CodeChoice = NO_CODE):
             f"bundle's files never choose code to run: pass --trust-code to import them, or "
             f"{flags} to name your own"
         )
+    if host["kind"] == "hf":
+        model = _resolve(code.factory)() if code.factory else _hf_model(host, code)
+        return model, lambda batch: model(**batch)["loss"]
     if host["kind"] == "guard":
         factory, loss = code.factory or host.get("factory"), code.loss or host.get("loss")
         if not factory:
@@ -142,6 +145,30 @@ def rebuild_module(host: dict[str, Any], code: CodeChoice = NO_CODE):
         return out["loss"] if isinstance(out, dict) else out
 
     return (module.get_submodule(path) if path else module), step
+
+
+def _hf_model(host: dict[str, Any], code: CodeChoice):
+    """A Hugging Face Trainer's model: its config through transformers' registry, its class
+    by name among transformers' own model classes (a class from elsewhere, a model's remote
+    code, only with ``--trust-code``)."""
+    import transformers
+
+    config = rebuild_value(host.get("config"), "config")  # before any import
+    target = check_target(host.get("model_class"), "model_class")
+    name = target.partition(":")[2]
+    cls = getattr(transformers, name, None)
+    ours = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+    if not ours:
+        if not code.trust_code:
+            raise CannotRebuild(
+                f"replaying it imports model class {target}, named by its meta.json and not "
+                "one of transformers' own; a bundle's files never choose code to run: pass "
+                "--trust-code to import it, or --factory pkg.mod:fn to name your own"
+            )
+        cls = _resolve(target)
+    torch = importlib.import_module("torch")
+    torch.manual_seed(0)  # the weights come from the bundle's state
+    return cls(config)
 
 
 # ---- hyperparameters: plain data, config classes by registry -------------------------------

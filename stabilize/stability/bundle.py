@@ -89,7 +89,7 @@ def _pair(b: Any) -> bool:
 
 
 def write_bundle(
-    trainer,
+    loop,
     host,
     stats,
     events,
@@ -103,7 +103,7 @@ def write_bundle(
     """Every rank calls this at a faulty step (a collective under DDP and FSDP); rank 0
     writes all but the FSDP shards. Returns the bundle's directory on rank 0. ``attempt``:
     the step's how-manieth bundle (a step rolled back twice: ``step-NNNNNN-<monitor>-2``)."""
-    rank, world = trainer.global_rank, trainer.world_size
+    rank, world = loop.rank, loop.world
     sampler = host.train_sampler()
     mine: dict[str, Any] = {"rank": rank, "positions": list(positions)}
     if all(_pair(b) for b in batches):  # (x, y) token ids: the data bisection reads rows
@@ -128,11 +128,11 @@ def write_bundle(
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    opt = trainer.optimizers[0]
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    opt = loop.optimizer()
+    scaler = loop.scaler()
     injector = host.injector
     state = {
-        "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+        "schedulers": [s.state_dict() for s in loop.schedulers()],
         "scaler": scaler.state_dict() if scaler is not None else None,
         "train_state": host.train_state.state_dict(),
         "fault": injector.snapshot_state() if injector is not None else None,

@@ -61,16 +61,16 @@ class Classifier:
         judge = copy.deepcopy(self.suite)
         return any(e.kind == ROLLBACK and e.monitor == monitor for e in judge.update(stats))
 
-    def _run(self, trainer, host, probe, detailed, batches, positions, trace):
+    def _run(self, loop, host, probe, detailed, batches, positions, trace):
         if probe is not None:
             probe.reset(detailed=detailed, device=host.device)
-        r = replay(trainer, host, batches, positions, trace=trace)
+        r = replay(loop, host, batches, positions, trace=trace)
         no_fp = torch.full((CHUNKS,), -1.0, device=host.device)
-        return self.gather.reduce(trainer, host, r["head"], no_fp, probe), r
+        return self.gather.reduce(loop, host, r["head"], no_fp, probe), r
 
     def __call__(
         self,
-        trainer,
+        loop,
         host,
         event: Event,
         probe,
@@ -85,9 +85,9 @@ class Classifier:
         ``classify`` the ``class``, the replay's numbers, ``ranks`` (transient) or
         ``batches`` (data-linked)."""
         before = list(self.gather.ranks)
-        stats, r = self._run(trainer, host, probe, detailed, batches, positions, localize)
+        stats, r = self._run(loop, host, probe, detailed, batches, positions, localize)
         mine = {"losses": r["losses"], **({"loc": r["localization"]} if localize else {})}
-        reports = gather_reports(trainer, mine)
+        reports = gather_reports(loop, mine)
         info: dict[str, Any] = {}
         if localize:
             info["localization"] = [x["loc"] for x in reports]
@@ -101,7 +101,7 @@ class Classifier:
         if not other:  # no other batch to try: model or data cannot be told apart
             why = "the same batches fail again; no other batches to tell the model from the data"
             return {**info, "unclassified": why}  # no class: the whole ladder
-        stats2, _ = self._run(trainer, host, probe, detailed, other, nxt, False)
+        stats2, _ = self._run(loop, host, probe, detailed, other, nxt, False)
         info["other_batches"] = {"positions": nxt, "loss": stats2.loss}
         if self.calls_again(stats2, event.monitor):
             return {**info, "class": "deterministic"}
@@ -111,14 +111,14 @@ class Classifier:
             if any(not math.isfinite(x["losses"][i]) for x in reports)
         ]
         bad = bad or list(positions)
-        rows = bad_rows(host, [batches[positions.index(q)] for q in bad], bad)
+        rows = bad_rows(loop, host, [batches[positions.index(q)] for q in bad], bad)
         if probe is not None:  # the per-row forward went through the probe's hooks
             probe.reset(detailed=detailed, device=host.device)
-        items = [it for x in gather_reports(trainer, {"rows": rows}) for it in x["rows"]]
+        items = [it for x in gather_reports(loop, {"rows": rows}) for it in x["rows"]]
         return {**info, "class": "data", "batches": bad, "items": items}
 
 
-def bad_rows(host, batches: list, positions: list[int]) -> list[dict[str, Any]]:
+def bad_rows(loop, host, batches: list, positions: list[int]) -> list[dict[str, Any]]:
     """This rank's sequences whose own loss is non-finite, one forward per micro-batch
     (no gradient): the rows of a causal LM do not mix, so a row's loss is its own. Each
     by training block index and content hash (``skip_rows`` steps over them)."""
@@ -134,7 +134,7 @@ def bad_rows(host, batches: list, positions: list[int]) -> list[dict[str, Any]]:
             host.seed_dropout(pos)
             if inj is not None:
                 inj.begin(step, pos)
-            with host.trainer.precision_plugin.forward_context():
+            with loop.forward_context():
                 logits = model(x)
             ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
             row_ok = torch.isfinite(ce.view(y.shape)).all(dim=1).tolist()

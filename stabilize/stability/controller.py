@@ -91,16 +91,12 @@ class RollbackController:
         self.transients: Counter[int] = Counter()  # transient faults, per rank
 
     @staticmethod
-    def _objects(trainer):
-        """The optimizer, every LR scheduler Lightning holds (none, one or more) and the
-        loss scaler (or None)."""
-        opt = trainer.optimizers[0]
-        scheds = [c.scheduler for c in trainer.lr_scheduler_configs]
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        return opt, scheds, scaler
+    def _objects(loop):
+        """The optimizer, every LR scheduler (none, one or more) and the loss scaler."""
+        return loop.optimizer(), loop.schedulers(), loop.scaler()
 
-    def snapshot(self, trainer, host) -> None:
-        opt, scheds, scaler = self._objects(trainer)
+    def snapshot(self, loop, host) -> None:
+        opt, scheds, scaler = self._objects(loop)
         # the host buffers of the snapshot leaving the ring are written in place (copy_):
         # no allocation once the ring is full (stabilize.rollback.SnapshotRing)
         old = self.ring.recycle() or {}
@@ -124,10 +120,10 @@ class RollbackController:
             d = self.run_dir / "snapshots"
             self.sharder.write_durable(snap, parts, self.writer, d, host.model, opt)
 
-    def restore(self, trainer, host, st: dict) -> None:
+    def restore(self, loop, host, st: dict) -> None:
         """Load a snapshot's state into the live model, optimizer, scheduler, scaler and
         monitors (no remedy, no data seek: that is rollback's business)."""
-        opt, scheds, scaler = self._objects(trainer)
+        opt, scheds, scaler = self._objects(loop)
         host.model.load_state_dict(st["model"])  # copies into the parameters
         opt.load_state_dict(st["optimizer"])
         # Optimizer.load_state_dict keeps the snapshot's own tensors wherever no cast or
@@ -144,7 +140,7 @@ class RollbackController:
             scaler.load_state_dict(st["scaler"])
         self.suite.load_state_dict(st["monitors"])
 
-    def rollback(self, trainer, host, event: Event, last: StepStats | None) -> None:
+    def rollback(self, loop, host, event: Event, last: StepStats | None) -> None:
         """Restore, remedy and seek for ``event``; or abort. ``last``: the step's stats,
         for a diagnosis."""
 
@@ -155,10 +151,10 @@ class RollbackController:
         host.train_state.fault_sites = list(event.extra.get("overflowed", []))
         decision = self.policy.decide(event, self.ring, unchanged)
         if decision.action == "abort":
-            self.abort(trainer, host, event, decision.reason, last)
+            self.abort(loop, host, event, decision.reason, last)
         snap, remedy = decision.snapshot, decision.remedy
         st = self.sharder.whole(snap.state)  # sharded: one all-gather rebuilds it
-        self.restore(trainer, host, st)
+        self.restore(loop, host, st)
         if self.injector is not None and st["fault"] is not None:
             self.injector.on_rollback(st["fault"])
         host.train_state.model_step, host.train_state.data_step = (
@@ -177,17 +173,17 @@ class RollbackController:
             self.transients.update(event.extra.get("ranks", []))
             did = {**did, "transients_per_rank": dict(self.transients)}
         if "skipped_batches" in did:
-            self._record_skipped(trainer, host)
-        if "skipped_items" in did and trainer.is_global_zero:
+            self._record_skipped(loop, host)
+        if "skipped_items" in did and loop.is_zero:
             found = [{**it, "step": event.step} for it in host.train_state.fault_items]
             add_skipped_items(self.run_dir, found)
         host.apply_lr()  # remedies so far stay applied, on the restored step
         host.train_state.remedies.append(remedy)
         host.seek_data(host.train_state.data_step)
-        trainer.optimizers[0].zero_grad(set_to_none=True)
+        loop.optimizer().zero_grad(set_to_none=True)
         self.ring.drop_after(snap.step)
         self.sink.emit(
-            trainer,
+            loop,
             Event(
                 "rollback",
                 "rollback",
@@ -199,24 +195,24 @@ class RollbackController:
             ),
         )
 
-    def _record_skipped(self, trainer, host) -> None:
+    def _record_skipped(self, loop, host) -> None:
         """``skipped_batches.json``: every skipped data position with each rank's item
         indices (rank 0 writes it; a resume reads it back, stability callback's setup)."""
-        if not trainer.is_global_zero:
+        if not loop.is_zero:
             return
-        sampler = host.train_sampler()  # the trainer's own
+        sampler = host.train_sampler()  # the loop's own
         if sampler is None:  # positions without item indices: nothing to resume from
             return
         batches = [
             {
                 "data_step": p,
-                "items": [sampler.batch_for_step(p, r) for r in range(trainer.world_size)],
+                "items": [sampler.batch_for_step(p, r) for r in range(loop.world)],
             }
             for p in sorted(host.train_state.skipped)
         ]
         (self.run_dir / SKIPPED).write_text(json.dumps({"batches": batches}, indent=1))
 
-    def abort(self, trainer, host, event: Event, reason: str, last: StepStats | None):
+    def abort(self, loop, host, event: Event, reason: str, last: StepStats | None):
         # one tensor, one entry: a block whose output a norm reads is that norm's
         merged = set(last.act_alias) if last else set()
         seen = [kv for kv in (last.act_max.items() if last else ()) if kv[0] not in merged]
@@ -235,7 +231,7 @@ class RollbackController:
             "remedies": list(host.train_state.remedies),
         }
         self.sink.emit(
-            trainer,
+            loop,
             Event(
                 "abort",
                 "rollback",
@@ -245,7 +241,7 @@ class RollbackController:
                 extra={"diagnosis": diagnosis},
             ),
         )
-        if trainer.is_global_zero:
+        if loop.is_zero:
             (self.run_dir / "diagnosis.json").write_text(
                 json.dumps(diagnosis, indent=2, default=str)
             )

@@ -87,7 +87,7 @@ def stability_lines(lr: float, beta1: float) -> tuple[float, float]:
     return 2.0 / lr, (2.0 + 2.0 * beta1) / ((1.0 - beta1) * lr)
 
 
-def step_gradient(trainer, host, batches, positions, params) -> list[torch.Tensor]:
+def step_gradient(loop, host, batches, positions, params) -> list[torch.Tensor]:
     """The gradient of the step's micro-batches with respect to ``params`` at the weights as
     they are now, in fp32 (no autocast: a difference of two gradients needs more than 16
     bits), dropout seeded by data position as the step's own, the mean over ranks; clean: no
@@ -110,8 +110,8 @@ def step_gradient(trainer, host, batches, positions, params) -> list[torch.Tenso
             for t, g in zip(total, grads, strict=True):
                 if g is not None:
                     t.add_(g.float())
-        if trainer.world_size > 1:  # the mean over ranks, as DDP's reduce
-            flat = torch.cat([g.reshape(-1) for g in total]) / trainer.world_size
+        if loop.world > 1:  # the mean over ranks, as DDP's reduce
+            flat = torch.cat([g.reshape(-1) for g in total]) / loop.world
             torch.distributed.all_reduce(flat)
             total = [f.reshape(p.shape) for f, p in
                      zip(flat.split([g.numel() for g in total]), params, strict=True)]  # fmt: skip
@@ -123,7 +123,7 @@ def step_gradient(trainer, host, batches, positions, params) -> list[torch.Tenso
             torch.cuda.set_rng_state_all(cuda)
 
 
-def curvature_pass(trainer, host, optimizer, batches, positions, rel: float = REL):
+def curvature_pass(loop, host, optimizer, batches, positions, rel: float = REL):
     """The probe's ``curvature`` for this step: (curv_u, curv_pre), or None where it is not
     measured (16-bit weights: a move of ``rel`` rounds away; a fault that fires at this
     step on any rank: its gradient is in the step's but not in the clean one)."""
@@ -139,14 +139,14 @@ def curvature_pass(trainer, host, optimizer, batches, positions, rel: float = RE
             return None
         inj = host.injector  # fired at this step (read, not asked: fires() marks a firing)
         fires = inj is not None and host.train_state.model_step + 1 in inj.fired
-        if trainer.world_size > 1:  # every rank takes the same decision
+        if loop.world > 1:  # every rank takes the same decision
             flag = torch.tensor([float(fires)], device=host.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             fires = bool(flag.item())
         if fires:
             return None
         hu, _ = hvp_difference(
-            params, updates, lambda: step_gradient(trainer, host, batches, positions, params), rel
+            params, updates, lambda: step_gradient(loop, host, batches, positions, params), rel
         )
         q = quotients(updates, hu, pdiags)
         return q if all(math.isfinite(v) for v in q) else None

@@ -73,7 +73,7 @@ class StepGather:
 
     def __call__(
         self,
-        trainer,
+        loop,
         host,
         optimizer,
         probe: StabilityProbe | None,
@@ -82,7 +82,7 @@ class StepGather:
     ) -> StepStats:
         dev = host.device
         nan, minus1, no_fp = self._constants(dev)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scaler = loop.scaler()
         scale = scaler_scale(scaler) if scaler is not None else None
         found_inf = minus1
         if scale is not None:
@@ -104,9 +104,9 @@ class StepGather:
             # -- per-block gradient norms and update/weight ratios, on log
             # steps, into the probe's own slots (they travel in the step's one vector) --
             probe.record_params(optimizer, head[1], host.clip_norm, curvature)
-        return self.reduce(trainer, host, head, fp, probe)
+        return self.reduce(loop, host, head, fp, probe)
 
-    def reduce(self, trainer, host, head, fp, probe) -> StepStats:
+    def reduce(self, loop, host, head, fp, probe) -> StepStats:
         """``head`` (the four scalars) and ``fp`` (the fingerprint's slots) with the probe's
         buffer, across ranks, to the host once. A replay calls this with its own head."""
         dev = host.device
@@ -120,7 +120,7 @@ class StepGather:
         else:
             vec = torch.cat([torch.stack(head), fp])
             maxima = vec[:0]
-        nh, nm, w = HEAD, maxima.numel(), trainer.world_size
+        nh, nm, w = HEAD, maxima.numel(), loop.world
         if w > 1:
             out = torch.empty(w * vec.numel(), device=dev)
             torch.distributed.all_gather_into_tensor(out, vec)

@@ -34,8 +34,6 @@ class Host(Protocol):
     """The step's loss summed over its micro-batches (a device tensor, no sync)."""
     injector: Any
     """The fault injector (the core's own; ``FaultInjector``), or None."""
-    trainer: Any
-    """The Lightning Trainer (precision plugin, optimizers, schedulers, world, loggers)."""
 
     @property
     def device(self) -> torch.device: ...

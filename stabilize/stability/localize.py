@@ -103,7 +103,7 @@ class _Trace:
             h.remove()
 
 
-def replay(trainer, host, batches, positions, *, trace: bool = False) -> dict[str, Any]:
+def replay(loop, host, batches, positions, *, trace: bool = False) -> dict[str, Any]:
     """Forward and backward of ``batches`` (the step's micro-batches, at data positions
     ``positions``) from the live weights, the fault included (a transient one does not fire
     again). Returns the step's head for the gather (mean loss, grad norm after the
@@ -112,7 +112,7 @@ def replay(trainer, host, batches, positions, *, trace: bool = False) -> dict[st
     model, inj = host.model, host.injector
     params = list(host.parameters())
     saved = [p.grad for p in params]
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    scaler = loop.scaler()
     scale_t = getattr(scaler, "_scale", None) if scaler is not None else None
     scale = float(scale_t) if scale_t is not None else 1.0
     step, n = host.train_state.model_step + 1, len(batches)
@@ -125,7 +125,7 @@ def replay(trainer, host, batches, positions, *, trace: bool = False) -> dict[st
             host.seed_dropout(pos)
             if inj is not None:
                 inj.begin(step, pos)
-            with trainer.precision_plugin.forward_context(), warnings.catch_warnings():
+            with loop.forward_context(), warnings.catch_warnings():
                 # a module returning a dataclass (Hugging Face's ModelOutput) gets no backward
                 # hook: its children's name the gradient
                 warnings.filterwarnings("ignore", "For backward hooks to be called")
@@ -142,8 +142,8 @@ def replay(trainer, host, batches, positions, *, trace: bool = False) -> dict[st
                     inj.disarm()  # no after_backward: a replay flips no bit
             losses.append(loss.detach().float())
         grads = [p.grad for p in params if p.grad is not None]
-        if trainer.world_size > 1:  # the mean over ranks, as DDP's reduce
-            flat = torch.cat([g.reshape(-1) for g in grads]) / trainer.world_size
+        if loop.world > 1:  # the mean over ranks, as DDP's reduce
+            flat = torch.cat([g.reshape(-1) for g in grads]) / loop.world
             torch.distributed.all_reduce(flat)
             grads = list(flat.split([g.numel() for g in grads]))
         gnorm = torch.nn.utils.get_total_norm(grads, foreach=True) / scale
@@ -165,16 +165,16 @@ def replay(trainer, host, batches, positions, *, trace: bool = False) -> dict[st
         out["localization"] = {
             **(tr.forward or {"module": None, "note": "the forward was finite"}),
             **tr.result(),
-            "rank": trainer.global_rank,
+            "rank": loop.rank,
         }
     return out
 
 
-def gather_reports(trainer, mine: dict[str, Any]) -> list[dict[str, Any]]:
+def gather_reports(loop, mine: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's report, on every rank (a list of one without DDP)."""
-    if trainer.world_size == 1:
+    if loop.world == 1:
         return [mine]
-    every: list[Any] = [None] * trainer.world_size
+    every: list[Any] = [None] * loop.world
     torch.distributed.all_gather_object(every, mine)
     return every
 
@@ -185,9 +185,9 @@ def first_named(locs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((loc for loc in locs if loc.get("grad_module")), None)
 
 
-def locate(trainer, host, batches, positions) -> dict[str, Any] | None:
+def locate(loop, host, batches, positions) -> dict[str, Any] | None:
     """The failing step re-run with hooks (its micro-batches, from the live weights: one
     forward and backward), every rank's localization gathered: ``first_named`` of them.
     Every rank must call it (the re-run all-reduces its gradients, as DDP does)."""
-    r = replay(trainer, host, batches, positions, trace=True)
-    return first_named(gather_reports(trainer, r["localization"]))
+    r = replay(loop, host, batches, positions, trace=True)
+    return first_named(gather_reports(loop, r["localization"]))

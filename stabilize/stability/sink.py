@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from stabilize.compat import batches_that_stepped
 from stabilize.monitors import SERIES_METRICS, Event, StepStats
 from stabilize.numerics import sum_of_squares_rms_limit
 from stabilize.stability.console import EventConsole
@@ -44,28 +43,28 @@ class EventSink:
         self.counts = {"warn": 0, "skip": 0, "rollback": 0}  # counted on every rank
         self.console = EventConsole(rollback_on)
 
-    def close(self, trainer) -> None:
+    def close(self, loop) -> None:
         """End of training (or an abort): the console's open episodes are summed up."""
-        if trainer.is_global_zero:
+        if loop.is_zero:
             self.console.close()
-            self.layers.finish(trainer)
+            self.layers.finish(loop)
 
-    def emit(self, trainer, e: Event, **extra) -> None:
+    def emit(self, loop, e: Event, **extra) -> None:
         if e.kind in self.counts:
             self.counts[e.kind] += 1
-        if not trainer.is_global_zero:
+        if not loop.is_zero:
             return
-        record = {**e.to_dict(), "global_step": trainer.global_step, **extra}
+        record = {**e.to_dict(), "global_step": loop.step, **extra}
         with open(self.run_dir / "events.jsonl", "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
         # one W&B alert per episode, as the console prints one line (a 120-step baseline
         # sent 327 before: each one an e-mail or a Slack message online)
         opened = e.kind != "info" and self.console.event(e)
         if opened and e.kind in ("warn", "rollback", "abort"):
-            self._alert(trainer, e)
+            self._alert(loop, e)
 
     @staticmethod
-    def _alert(trainer, e: Event) -> None:
+    def _alert(loop, e: Event) -> None:
         """A W&B alert for the first event of an episode. W&B's own ``wait_duration``
         holds back a second alert of the same title within ``ALERT_WAIT_S`` (episodes of
         one monitor that flap); the rollback controller's own events are titled by their
@@ -73,16 +72,12 @@ class EventSink:
         controller = e.monitor == "rollback" or e.kind == "abort"
         title = f"{e.kind}: {e.monitor}" + (f" at step {e.step}" if controller else "")
         level = "WARN" if e.kind == "warn" else "ERROR"
-        # Lightning's WandbLogger, found by name: the core imports no Lightning
-        for lg in trainer.loggers:
-            if type(lg).__name__ == "WandbLogger":
-                lg.experiment.alert(
-                    title=title, text=e.message, level=level, wait_duration=ALERT_WAIT_S
-                )
+        for run in loop.wandb_runs():
+            run.alert(title=title, text=e.message, level=level, wait_duration=ALERT_WAIT_S)
 
     def log_stats(
         self,
-        trainer,
+        loop,
         s: StepStats,
         forecast: dict[str, float],
         dims: dict[str, int] | None,
@@ -99,15 +94,14 @@ class EventSink:
         m.update({k: float(v) for f, k in STEP_METRICS.items() if (v := getattr(s, f)) is not None})
         # Host floats, straight to the loggers (rank 0): self.log's per-key bookkeeping
         # cost ~10 ms per log step for the per-layer series.
-        if trainer.is_global_zero:
+        if loop.is_zero:
             self.console.tick(s.step)
-            # the step Lightning's own self.log rows use at this point (one less than
-            # global_step), so per-layer rows line up with train/loss in CSV and W&B
-            step = batches_that_stepped(trainer)
-            for lg in trainer.loggers:
-                lg.log_metrics(m, step=step)
+            # the step the loop's own rows use at this point, so per-layer rows line up
+            # with train/loss in CSV and W&B
+            step = loop.log_row
+            loop.log(m, step)
             if layers:
-                self.layers.add(trainer, m, step)
+                self.layers.add(loop, m, step)
 
     def _layer_metrics(
         self, s: StepStats, forecast: dict[str, float], dims: dict[str, int] | None

@@ -75,6 +75,8 @@ class ModelView:
     log_z: str | None = None
     head: nn.Module | None = None
     """The output projection (``log_z == "head"``: its logits are read)."""
+    lines: list[str] = field(default_factory=list)
+    """What is seen and what is not, for the console at start-up (a foreign model's)."""
 
     def block_of(self, param_name: str) -> str:
         """The block a parameter (or module) path belongs to, else ``other``."""
@@ -163,7 +165,9 @@ def foreign_view(model: nn.Module, blocks: str | None = None) -> ModelView:
     # model=hf's model hands its loss's log Z over as ours does (model/hf_arch.py)
     sink = getattr(getattr(model, "logit_softcap", None), "stats_sink", False) is not False
     log_z = "sink" if sink else "head" if head is not None else None
-    return ModelView(model, list(found.blocks), norms, attn, log_z=log_z, head=head)
+    return ModelView(
+        model, list(found.blocks), norms, attn, log_z=log_z, head=head, lines=found.describe()
+    )
 
 
 def view_of(model: nn.Module, blocks: str | None = None) -> ModelView:

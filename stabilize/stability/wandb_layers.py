@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
 
 ALWAYS_SHOWN = ("train", "stability")  # the sink's own scalars: not per-layer
 
@@ -44,14 +43,10 @@ class LayerPanels:
         self.series: dict[str, list[tuple[int, float]]] = {}
         self._stride, self._seen = 1, 0  # log steps kept: every stride-th
 
-    @staticmethod
-    def _experiments(trainer) -> list[Any]:
-        return [lg.experiment for lg in trainer.loggers if type(lg).__name__ == "WandbLogger"]
-
-    def add(self, trainer, metrics: dict[str, float], step: int) -> None:
+    def add(self, loop, metrics: dict[str, float], step: int) -> None:
         """A log step's per-layer metrics (rank 0). Nothing is kept without a W&B logger,
         or with ``limit`` < 0."""
-        if self.limit < 0 or not (exps := self._experiments(trainer)):
+        if self.limit < 0 or not (exps := loop.wandb_runs()):
             return
         for key in metrics:
             prefix, sep, _ = key.partition("/")
@@ -75,10 +70,10 @@ class LayerPanels:
             for key, pts in self.series.items():
                 self.series[key] = pts[::2]
 
-    def finish(self, trainer) -> list[str]:
+    def finish(self, loop) -> list[str]:
         """One ``layers/<prefix>`` chart per hidden prefix, to every W&B logger; the chart
         keys logged."""
-        exps = self._experiments(trainer)
+        exps = loop.wandb_runs()
         if not exps or not self.hidden:
             return []
         import wandb

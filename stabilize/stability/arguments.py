@@ -23,9 +23,9 @@ from torch import nn
 
 from stabilize.data import parse_skip_items
 from stabilize.faults import FaultConfig, fault_config
-from stabilize.lit.host import StabilityConfigError, refuse_fault, watched_model
 from stabilize.monitors import MonitorConfig
 from stabilize.rollback import RollbackConfig
+from stabilize.stability.driven import StabilityConfigError, refuse_fault, watched_model
 from stabilize.validate import ConfigError, build_dataclass, check_positive
 
 _FACTORY = "'pkg.mod:fn' (an importable module and a callable in it, not called here)"
