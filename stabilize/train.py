@@ -145,10 +145,14 @@ def _sweep_group() -> str | None:
 def run(cfg: RunConfig, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Train as ``cfg`` says (plus any extra Lightning callbacks); returns the final
     metrics (floats) and where things are (``stabilize/lit/runner.py``, imported here:
-    ``--help`` and a config error never load Lightning)."""
-    from stabilize.lit.runner import run as _run
+    ``--help`` and a config error never load Lightning). The start-up's log lines (the
+    token cache, matplotlib's font cache) wait for the run's description (run/quiet.py)."""
+    from stabilize.run.quiet import held_until_described
 
-    return _run(cfg, callbacks)
+    with held_until_described(cfg.verbose):
+        from stabilize.lit.runner import run as _run
+
+        return _run(cfg, callbacks)
 
 
 def _stability_abort() -> type[BaseException]:

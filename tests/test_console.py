@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 
 import lightning as L
 import pytest
+from doc_commands import doc_command
 
 from stabilize.run.summary import final_summary, read_events
 from stabilize.train import run
@@ -73,6 +75,32 @@ def test_a_default_run_prints_our_lines_only_and_verbose_shows_the_rest(tmp_path
     # the cache line, the description, 4 steps, 2 validations, done, W&B, run dir
     assert len(lines) == 11 + len(stability) + len(slow_eval), lines
     assert len(loud) > len(lines) + 20
+
+
+def test_the_description_comes_first_on_a_fresh_machine(tmp_path):
+    """The README's one-run command where nothing is cached yet: matplotlib's font cache,
+    the token cache and the fused CPU kernel all start from nothing. The description is the
+    first line; the token cache's lines and the kernel's notice follow it at once (a kernel
+    that cannot be built here: no C++ compiler, so no build is left running), before the
+    first step; the font cache says nothing and no line names the cache entry's full path."""
+    cmd = [a for a in shlex.split(doc_command("one-run")) if "max_steps" not in a]
+    fresh = {"MPLCONFIGDIR": str(tmp_path / "mpl"), "STABILIZE_CACHE_DIR": str(tmp_path / "c"),
+             "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": str(tmp_path / "no-c++"),
+             "STABILIZE_KERNEL_WAIT": "0"}  # fmt: skip
+    over = [*FAST, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    r = run_cli([*cmd, *over], cwd=tmp_path, env=fresh)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (r.stdout + r.stderr).splitlines()  # our lines are all on stdout until the end
+    assert lines[0].startswith("stabilize-train: tiny GPT ("), lines
+    first_step = next(i for i, x in enumerate(lines) if x.startswith(("step ", "[stability]")))
+    (entry,) = [p for p in (tmp_path / "c" / "tokens").iterdir() if p.is_dir()]
+    said = [x.split("] - ", 1)[-1] for x in lines[1:first_step]]
+    assert len(said) == 3, lines
+    assert said[0].startswith(f"token cache {entry.name}: building (")
+    assert said[1].startswith(f"token cache {entry.name}: memory-mapped (")
+    kernel = f"fused CPU RMSNorm kernel unavailable (C++ compiler ({fresh['CXX']})"
+    assert said[2].startswith(kernel), said
+    assert not [x for x in lines if "font" in x.lower() or str(entry) in x], lines
 
 
 BOUNDED = [

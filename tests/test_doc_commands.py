@@ -159,6 +159,12 @@ def test_the_map_commands_plan_as_written(tmp_path, monkeypatch, capsys):
     the slow test below); ``my_map.yaml`` is the user's: a copy of the default spec."""
     out = _map("map", tmp_path, monkeypatch, capsys, "--dry-run")
     assert "4 recipes x 6 LRs" in out and "72 cells" in out, out
+    # its estimate agrees with what the default map took: docs/map.md's measured block (its
+    # commit, command and machine beside it) and the README's figure, to the minute
+    took = float(re.search(r"72 cells in ([\d.]+) min", (ROOT / "docs" / "map.md").read_text())[1])
+    assert f"it took {took:g} minutes (`stabilize-map --dir" in (ROOT / "README.md").read_text()
+    said = int(re.search(r"72 to run, .*: ~(\d+) min", out)[1])
+    assert abs(said - took) <= 1, (said, took)
     shutil.copy(ROOT / "configs" / "map" / "default.yaml", tmp_path / "my_map.yaml")
     out = _map("map-mine", tmp_path, monkeypatch, capsys, "--dry-run")
     assert "runs/map-mine" in out and "model.n_layer=4" in out, out

@@ -133,6 +133,25 @@ def test_a_small_map_runs_through_multirun_marks_the_divergent_cell_and_skips_on
     }
 
 
+def test_a_dry_runs_recipe_line_pasted_into_a_shell_runs_its_cells(tmp_path):
+    """``--dry-run`` prints each recipe's multirun as a shell line; pasted into bash as it
+    is, it runs the cells the map would have (the map then counts them finished)."""
+    (tmp_path / "t.yaml").write_text(SPEC.replace("max: 1.0, n: 2", "max: 1.0e-3, n: 1")
+                                     .replace("steps: 24", "steps: 3"))  # fmt: skip
+    args = ["stabilize-map", "--spec", "t.yaml", "--dir", "m", "--jobs", "1"]
+    r = run_cli([*args, "--dry-run"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [x for x in r.stdout.splitlines() if not x.startswith("[map] ")]
+    assert len(lines) == 2 and "hydra.sweep.dir=m/cells/layernorm " in lines[0], lines
+    assert not (tmp_path / "m").exists()  # a dry run launches nothing
+    r = run_cli(["bash", "-c", lines[0]], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cell = tmp_path / "m" / "cells" / "layernorm" / "lr0.001-seed1"
+    assert json.loads((cell / "result.json").read_text())["status"] == "done"
+    r = run_cli([*args, "--dry-run"], cwd=tmp_path)
+    assert "[map] 1 finished (skipped), 1 to run" in r.stdout, r.stdout
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
     reason="hydra-submitit-launcher is not installed",

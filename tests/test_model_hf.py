@@ -172,6 +172,29 @@ def _saved_llama(path, **over):
     return model
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_model_hf_run_ends_with_a_save_pretrained_dir_of_its_final_weights(tmp_path, arch):
+    """The run's final weights as ``save_pretrained`` wrote them (``RUN_DIR/hf``): the plain
+    Hugging Face class loads them with ``from_pretrained``, equal, tensor by tensor, to the
+    run's own last checkpoint; nothing of ours is needed to read them."""
+    import transformers
+
+    from stabilize.train import run
+
+    d = tmp_path / "r"
+    out = run(compose_run(d, ["model=hf", f"model.hf.arch={arch}", *FAST]))
+    assert out["hf_dir"] == str(d / "hf")
+    cls = {"llama": transformers.LlamaForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[arch]
+    loaded = cls.from_pretrained(out["hf_dir"], local_files_only=True)
+    assert type(loaded) is cls
+    ckpt = torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    want = {k.removeprefix("model."): v for k, v in ckpt.items() if k.startswith("model.")}
+    got = loaded.state_dict()
+    assert set(got) == set(want), set(got) ^ set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+
+
 def test_local_weights_load_with_nothing_downloaded_and_give_the_same_logits(tmp_path):
     from stabilize.model import build_model
 

@@ -5,6 +5,7 @@ against a real snapshot, and the CLI (tables and refusals) through Hydra composi
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
@@ -150,9 +151,8 @@ def saved_by_training_step(tmp_path, overrides) -> tuple[int, object]:
     return Measure.bytes, cfg
 
 
-# (n_layer, d_model, n_head, block, batch, precision, norm overrides). Activation
-# checkpointing does not exist yet (trainer.activation_checkpointing, issue 13 item 2): its
-# line is planned as the standard per-block recompute and only the "without" case is checked.
+# (n_layer, d_model, n_head, block, batch, precision, norm overrides). The per-block
+# recompute line (trainer.activation_checkpointing) is not metered: only the "without" case.
 STEPS = [
     (2, 128, 4, 64, 4, "fp32", []),
     (3, 192, 6, 96, 2, "bf16-mixed", []),
@@ -215,6 +215,29 @@ def test_activation_formula_follows_the_norm_switches(prec, norm):
     assert planned == pytest.approx(meter.total, rel=0.15), (planned, meter.total)
 
 
+@pytest.mark.parametrize("prec", ["fp32", "bf16-mixed"])
+def test_the_math_attention_line_is_what_sdpas_math_path_saves(prec):
+    """The plan assumes a fused SDPA kernel and prints what the math path adds: the same
+    meter, on the bare model with the math path forced, against the plan plus its extra."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = GPTConfig(n_layer=3, d_model=96, n_head=6, block_size=40)
+    model = GPT(cfg)
+    meter = SavedBytes(model.parameters())
+    x = torch.randint(0, cfg.vocab_size, (3, 40))
+    dtype = {"fp32": None, "bf16-mixed": torch.bfloat16}[prec]
+    with meter.ctx, sdpa_kernel(SDPBackend.MATH):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            logits = model(x)
+        F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+    act = activations(cfg, prec, 3)
+    planned = act.saved + cfg.n_layer * act.math_attention
+    planned += model_state(cfg, prec, "single", 1).autocast_copies
+    assert planned == pytest.approx(meter.total, rel=0.02), (planned, meter.total)
+    # the T x T weights are what dominates it: 4 bytes x heads x T per token, per block
+    assert act.math_attention >= 4 * cfg.n_head * 40 * 3 * 40 - 4 * cfg.n_head * 3 * 40
+
+
 # ---- the command ----------------------------------------------------------------------------
 def test_cli_prints_the_1_3b_plan(tmp_path):
     r = subprocess.run(
@@ -239,6 +262,13 @@ def test_cli_prints_the_1_3b_plan(tmp_path):
     assert "1,315,723,264 parameters" in out and "A100-SXM4-80GB" in out
     assert "total, no checkpointing" in out and "does NOT fit" in out
     assert "total, per-block recompute" in out and "fits: " in out
+    # its attention assumption, and what the math path would add: 4 H T + 6 D - 4 H bytes a
+    # token and block at 16 x 2048 tokens (by hand: 143,296 x 32,768 = 4.696 GB)
+    assert "attention: planned as a fused SDPA kernel (flash or memory-efficient" in out
+    assert "SDPA's math path saves 4.696 GB more a block" in out
+    base = float(re.search(r"total, no checkpointing +([\d.]+)", out)[1])
+    no_fused = float(re.search(r"no fused attn, no checkpointing +([\d.]+)", out)[1])
+    assert no_fused - base == pytest.approx(24 * 4.696, abs=0.02)
     assert "378.93" in out  # 3 x 15.79 GB x 8 ranks: the issue's ~379 GB per node
     assert not any(tmp_path.iterdir())  # a plan writes nothing
 

@@ -199,8 +199,8 @@ def _ensure_built(cfg: DataConfig, choice: TokenizerChoice, tokens: Path, fp: st
             shutil.rmtree(stale, ignore_errors=True)
         tmp = tokens / f"{fp}.tmp-{os.getpid()}"
         log.info(
-            "token cache %s: building (%s, tokenizer %s) in %s [rank %s]",
-            fp, corpus_name(cfg), cfg.tokenizer, entry, _rank(),
+            "token cache %s: building (%s, tokenizer %s) under %s [rank %s]",
+            fp, corpus_name(cfg), cfg.tokenizer, tokens, _rank(),
         )  # fmt: skip
         try:
             _build(cfg, choice, tmp, fp, inputs)
@@ -232,8 +232,8 @@ def open_token_cache(cfg: DataConfig) -> CachedCorpus:
     val = TokenArray(entry / "val.bin", meta["dtype"]) if (entry / "val.bin").is_file() else None
     counts = token_byte_counts(tok)
     (log.info if first_open else log.debug)(
-        "token cache %s: memory-mapped %s (%d train%s tokens, %s) in %.2f s [rank %s]",
-        fp, entry, len(train), f" + {len(val)} val" if val else "", meta["dtype"],
+        "token cache %s: memory-mapped (%d train%s tokens, %s) in %.2f s [rank %s]",
+        fp, len(train), f" + {len(val)} val" if val else "", meta["dtype"],
         time.perf_counter() - t0, _rank(),
     )  # fmt: skip
     return CachedCorpus(train, val, tok, counts, fp, entry)

@@ -25,10 +25,10 @@ from stabilize.lit.checkpoint import PeriodicCheckpoint, resolve_resume
 from stabilize.lit.module import GPTLitModule
 from stabilize.lit.preempt import Preempted
 from stabilize.lit.watchdog import Watchdog, gone_ranks
-from stabilize.norms import Norm
+from stabilize.norms import Norm, auto_backend
 from stabilize.run.config import RunConfig
 from stabilize.run.preflight import preflight
-from stabilize.run.quiet import quiet
+from stabilize.run.quiet import described, quiet
 from stabilize.run.rundir import (
     RunDirError,
     at_the_end,
@@ -99,6 +99,8 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
         dog = watchdog_of(trainer)
         if _rank() == 0:
             print(describe(cfg, module, ckpt, ending=bool(end)), flush=True)
+        described()  # the start-up's held log lines follow it (run/quiet.py)
+        kernel_now(cfg, module)
         wandb_dir = None
         try:
             if trainer.is_global_zero and trainer.loggers:
@@ -122,6 +124,7 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
                 dog.close()  # done already, unless the run or its ending stopped
             wandb_dir = _finish_wandb(trainer)
     ending = ["replicas.json", *(["final_eval.json"] if score is not None else [])]
+    hf_dir = _save_hf(cfg, module, run_dir)
     _write_result(run_dir, "done", module, trainer, fault=fault, ending=ending)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if score is not None:
@@ -136,7 +139,21 @@ def _claimed_run(cfg: RunConfig, callbacks, run_dir: Path, moved: str | None) ->
         "ranks": rank_shares(trainer),
         "wandb_offline_dir": wandb_dir,
         "fault": fault,
+        "hf_dir": hf_dir,
     }
+
+
+def _save_hf(cfg: RunConfig, module: GPTLitModule, run_dir: Path) -> str | None:
+    """A ``model=hf`` run's final weights as a ``save_pretrained`` directory, ``run_dir/hf``
+    (rank 0; not under FSDP, whose shards a rank cannot write alone, nor where the norm
+    group replaced the architecture's own norms: their parameters are not the class's)."""
+    hf = cfg.model.hf
+    if hf is None or hf.norm_type != "arch" or cfg.trainer.strategy == "fsdp" or _rank() != 0:
+        return None
+    from stabilize.model.hf_arch import save_hf
+
+    save_hf(module.model, run_dir / "hf")
+    return str(run_dir / "hf")
 
 
 class EndingOnly(L.Callback):
@@ -200,6 +217,17 @@ def describe(cfg: RunConfig, module: GPTLitModule, ckpt: str | None, ending=Fals
         f"{cfg.precision.name} on {resolve_accelerator(cfg.trainer.accelerator)}; {start} "
         f"-> {cfg.run_dir}"
     )
+
+
+def kernel_now(cfg: RunConfig, module: GPTLitModule) -> None:
+    """On CPU, ask now for the backend each ``auto`` norm would run: where that is the fused
+    kernel, its build starts (or its failure is said) here, one line after the description,
+    not mid-run when a remedy first switches a reduction to fp32."""
+    if resolve_accelerator(cfg.trainer.accelerator) != "cpu":
+        return
+    for kind in {m.kind for m in module.model.modules() if isinstance(m, Norm)
+                 and m.backend == "auto"}:  # fmt: skip
+        auto_backend(kind, "cpu")
 
 
 def ended_with(module: GPTLitModule) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -27,8 +28,12 @@ from stabilize.map.spec import Cell, MapSpec, load_spec
 from stabilize.validate import ConfigError
 
 LAUNCHERS = ("joblib", "basic", "submitit_local", "submitit_slurm")
-# one tiny cell at 1 thread on this project's 2-core CPU (docs/map.md): the plan's estimate
-TINY_START_S, TINY_STEP_S = 5.0, 0.08
+# The plan's estimate for a tiny cell: its start-up, and a step as the default map measured
+# it (docs/map.md: `stabilize-map --dir /tmp/map-default` at commit 40d2732 on a 2-core Intel
+# Xeon, 72 cells of 300 steps 2 at a time in 23.7 min: 39.5 s a cell = 5 s + 300 x 0.115 s).
+# A lone healthy cell steps faster (0.08 s at 1 thread); the diverged cells' monitors and
+# two cells sharing the cores make up the rest.
+TINY_START_S, TINY_STEP_S = 5.0, 0.115
 
 
 def groups(cells: list[Cell]) -> list[tuple[str, list[float], list[int]]]:
@@ -61,7 +66,7 @@ def estimate(spec: MapSpec, extra: list[str], todo: int, jobs: int) -> str:
         return "unknown until the first cell finishes (not the tiny model)"
     s = todo * (TINY_START_S + spec.steps * TINY_STEP_S) / jobs
     took = f"~{s / 60:.0f} min" if s >= 90 else f"~{s:.0f} s"
-    return f"{took} (the tiny model on a 2-core CPU; refined as cells finish)"
+    return f"{took} (the tiny model on a 2-core CPU, as the default map ran; refined as it runs)"
 
 
 def check_recipes(spec: MapSpec, extra: list[str]) -> None:
@@ -133,15 +138,16 @@ def run_map(spec: MapSpec, root: Path, launcher: str, jobs: int, extra: list[str
         f"(hydra/launcher={launcher}): {estimate(spec, extra, len(todo), jobs)}",
         flush=True,
     )
-    if dry:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    if dry:  # each recipe's multirun as a shell line: pasted, it runs those cells
+        threads = f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}"
         for recipe, g_lrs, seeds in groups(todo):
             cmd = command(spec, root, recipe, g_lrs, seeds, launcher, jobs, extra, wandb)
-            print(" ".join(cmd[1:]))
+            print(shlex.join([threads, "stabilize-train", *cmd[3:]]))
         return 0
     root.mkdir(parents=True, exist_ok=True)
     (root / "map_spec.json").write_text(json.dumps(spec.__dict__, indent=1))
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
     t0, n = time.monotonic(), len(done)
     for recipe, g_lrs, seeds in groups(todo):
         cmd = command(spec, root, recipe, g_lrs, seeds, launcher, jobs, extra, wandb)

@@ -149,3 +149,17 @@ def _causal_lm(base: type) -> type:
             f"Stabilize{base.__name__}", (base,), {"forward": forward, "num_params": num_params}
         )
     return _SUBCLASSES[base]
+
+
+def save_hf(model: nn.Module, path) -> None:
+    """The run's Hugging Face model as ``save_pretrained`` writes it, for ``from_pretrained``
+    of the plain Hugging Face class: our swapped norms hold the model's own Parameters under
+    its own names, so the state dict is the architecture's, and the class written is the
+    base (no harness subclass, nothing to import)."""
+    base = next(c for c in type(model).__mro__ if c.__module__.startswith("transformers."))
+    with torch.device("meta"):  # no random init of weights replaced at once
+        plain = base(model.config)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    plain.load_state_dict(state, strict=True, assign=True)
+    plain.tie_weights()
+    plain.save_pretrained(str(path))

@@ -104,6 +104,17 @@ def render(cfg: RunConfig, plan: PlanConfig) -> str:
             verdict(fixed + act.peak_checkpointed),
         ),
     ]
+    math, math_ckpt = act.without_fused_attention(m.n_layer)
+    rows += [
+        "  attention: planned as a fused SDPA kernel (flash or memory-efficient; it saves no",
+        f"  T x T weights); SDPA's math path saves {act.math_attention / GB:.3f} GB more a block:",
+        row("no fused attn, no checkpointing", fixed + math + reserve, verdict(fixed + math)),
+        row(
+            "no fused attn, per-block recompute",
+            fixed + math_ckpt + reserve,
+            verdict(fixed + math_ckpt),
+        ),
+    ]
     rows += [f"  note: {n}" for n in act.notes]
     keep = cfg.rollback.keep if cfg.rollback.enabled else 0
     bound = "unbounded" if st.disk_bound is None else f"at most {st.disk_bound / GB:.1f} GB"

@@ -4,8 +4,9 @@ Model state is counted exactly: ``param_shapes`` lists every parameter the GPT b
 compares it, name by name, with the model built on the meta device), and each byte figure is
 a count times a dtype size. Activations are the tensors autograd saves for backward in one
 micro-batch, derived op by op from stabilize/model/layers.py and gpt.py for the kernels the
-harness runs (fused norms, ``F.scaled_dot_product_attention``'s flash kernel); a test checks
-the formula against the bytes autograd actually saves on CPU.
+harness runs (fused norms, ``F.scaled_dot_product_attention``'s flash kernel, an assumption
+the plan prints with the memory without it); a test checks the formula against the bytes
+autograd actually saves on CPU.
 
 Dtypes, as Lightning runs them (stabilize/lit/build.py):
 - ``fp32`` and ``*-mixed``: parameters, gradients and AdamW moments are fp32 (mixed precision
@@ -136,6 +137,9 @@ class Activations:
     checkpointed: int  # saved with per-block recompute, plus one block recomputed
     checked: bool  # False where the formula is not checked by tests/test_plan.py (``notes``)
     notes: list[str]
+    # what one block saves more when SDPA runs its math path instead of a fused (flash or
+    # memory-efficient) kernel: the plan assumes a fused one
+    math_attention: int = 0
 
     @property
     def peak(self) -> int:
@@ -144,6 +148,12 @@ class Activations:
     @property
     def peak_checkpointed(self) -> int:
         return self.checkpointed + self.loss_peak
+
+    def without_fused_attention(self, n_layer: int) -> tuple[int, int]:
+        """(peak, peak with per-block recompute) if attention ran SDPA's math path."""
+        return self.peak + n_layer * self.math_attention, self.peak_checkpointed + (
+            self.math_attention
+        )
 
 
 def _norm_saves(m: GPTConfig, in_dtype: str, act: int) -> tuple[int, int, int]:
@@ -227,6 +237,11 @@ def activations(m: GPTConfig, precision: str, batch: int, seq: int | None = None
     # are alive while log_softmax writes the saved log-probabilities; backward, nll_loss's
     # gradient (4 V) and log_softmax's (4 V) are alive beside them: 8 V bytes per token.
     loss_peak = 8 * v * tokens
+    # SDPA's math path (no fused kernel: e.g. a GPU before Ampere, a head size the kernels
+    # refuse) saves the softmax's fp32 attention weights (4 H T bytes per token, T the
+    # sequence), fp32 copies of 16-bit inputs (6 D) and no logsumexp; measured on CPU with
+    # torch 2.13 (tests/test_plan.py)
+    math = (4 * m.n_head * seq + (6 * d if a == 2 else 0) - STAT_BYTES * m.n_head) * tokens
     return Activations(
-        per_layer, embedding, head_bytes, saved, loss_peak, checkpointed, checked, notes
+        per_layer, embedding, head_bytes, saved, loss_peak, checkpointed, checked, notes, math
     )

@@ -16,6 +16,7 @@ scale nor the norms' reduction dtype):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,3 +105,28 @@ def rollbacks(events: list[dict[str, Any]]) -> list[Rollback]:
 
 def rollback_lines(events: list[dict[str, Any]]) -> list[str]:
     return [rb.line(n) for n, rb in enumerate(rollbacks(events), 1)]
+
+
+def answered_skips(events: list[dict[str, Any]]) -> list[int]:
+    """Steps of the GradScaler skips that a loss-scale verdict answered: the run of
+    consecutive skips ending at each ``loss_scale`` rollback verdict. Such skips are
+    non-finite gradients the scale could not calibrate away (a skip the scale recovered from
+    on its own is its calibration). The run's length is the skip's own ``consecutive``
+    count at the verdict's step, else the verdict's ("11 consecutive scaler skips")."""
+    out: set[int] = set()
+    last: dict[int, int] = {}  # model step -> its latest skip's consecutive count (0: unsaid)
+    for e in events:
+        if e.get("monitor") != "loss_scale":
+            continue
+        step = int(e.get("step", 0))
+        if e.get("kind") == "skip":
+            last[step] = int((e.get("extra") or {}).get("consecutive") or 0)
+            continue
+        if e.get("kind") != "rollback" or step not in last:  # a verdict on no skip: a floor
+            continue
+        said = re.match(r"(\d+) consecutive scaler skips", str(e.get("message", "")))
+        run = last[step] or (int(said.group(1)) if said else 1)
+        out |= set(range(step - run + 1, step + 1))
+    skipped = {int(e.get("step", 0)) for e in events
+               if e.get("monitor") == "loss_scale" and e.get("kind") == "skip"}  # fmt: skip
+    return sorted(out & skipped)

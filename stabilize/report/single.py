@@ -58,7 +58,10 @@ def run_conclusion(run: Run, a: ArmSummary) -> list[str]:
 def _sentences(run: Run, a: ArmSummary) -> list[str | tuple[str, ...]]:
     """Plain sentences, or a sentence's markdown pieces (a command as a code span)."""
     out: list[str | tuple[str, ...]] = []
-    links = [(s, t) for s, link, t in chain_links(a) if s is not None and link != "line"]
+    chain = [(s, link, t) for s, link, t in chain_links(a) if s is not None and link != "line"]
+    # skips alone (no overflow, no NaN loss) are told below, with their count and the verdict
+    told = a.grad_nonfinite_by == "scaler skip" and all(x[1] == "grads" for x in chain)
+    links = [] if told else [(s, t) for s, _, t in chain]
     if not links:  # no overflow, no non-finite loss: what the monitors flagged instead
         verdict = next((e for e in run.events if e.get("kind") == "rollback"
                         and e.get("monitor") != "rollback"), None)  # fmt: skip
@@ -68,7 +71,8 @@ def _sentences(run: Run, a: ArmSummary) -> list[str | tuple[str, ...]]:
         skips = sorted(int(e["step"]) for e in run.events if e.get("monitor") == "loss_scale"
                        and e.get("kind") == "skip")  # fmt: skip
         if skips and verdict is not None:
-            links.insert(0, (skips[0], f"the GradScaler skipped a step (inf/NaN gradients), "
+            first = a.first_grad_nonfinite if told else skips[0]  # the table's cell
+            links.insert(0, (first, f"the GradScaler skipped a step (inf/NaN gradients), "
                              f"{len(skips)} times in all"))  # fmt: skip
     if links:
         out.append("What went wrong: " + "; ".join(f"step {s}: {t}" for s, t in links) + ".")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stabilize.report.load import Run
-from stabilize.report.rollbacks import rollback_lines
+from stabilize.report.rollbacks import answered_skips, rollback_lines
 
 LINE = 256.0  # |x| max where one fp16 square overflows (255.94^2 = 65504)
 # "final loss" is the mean training loss over the run's last LAST_STEPS model steps: one
@@ -49,8 +49,9 @@ class ArmSummary:
     # they output NaN, they are not dead; summed over the same overflow events
     nan_rows: float = 0.0
     scaler_skips: int = 0
-    # the backward: the first GradScaler skip at/after the first overflow (before it, a skip
-    # is the scale's calibration), or a non-finite gradient norm without a scaler
+    # the backward: the first GradScaler skip at/after the first overflow or in a run of
+    # skips a loss-scale verdict answered (else a skip is the scale's calibration), or a
+    # non-finite gradient norm without a scaler
     first_grad_nonfinite: int | None = None
     grad_nonfinite_by: str | None = None  # "scaler skip" | "grad norm"
     skips_after_overflow: int = 0  # GradScaler skips at/after the first overflow
@@ -221,11 +222,13 @@ def summarize(run: Run) -> ArmSummary:
                             "nan_rows")  # fmt: skip
     skips = [e for e in ev if e.get("monitor") == "loss_scale" and e.get("kind") == "skip"]
     s.scaler_skips = len(skips)
-    if s.first_overflow is not None:  # inf/NaN gradients the overflow caused (not calibration)
-        after = [int(e["step"]) for e in skips if int(e["step"]) >= s.first_overflow]
-        s.first_grad_nonfinite = min(after, default=None)
-        s.grad_nonfinite_by = "scaler skip" if after else None
-        s.skips_after_overflow = len(after)
+    # inf/NaN gradients: the skips the overflow caused, and runs of skips a loss-scale
+    # verdict answered (a skip the scale recovered from, before any overflow, is calibration)
+    over = s.first_overflow
+    after = [int(e["step"]) for e in skips if over is not None and int(e["step"]) >= over]
+    s.skips_after_overflow = len(after)
+    if real := after + answered_skips(ev):
+        s.first_grad_nonfinite, s.grad_nonfinite_by = min(real), "scaler skip"
     if grad_events and (s.first_grad_nonfinite is None
                         or int(grad_events[0]["step"]) < s.first_grad_nonfinite):  # fmt: skip
         s.first_grad_nonfinite, s.grad_nonfinite_by = int(grad_events[0]["step"]), "grad norm"

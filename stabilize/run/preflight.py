@@ -219,8 +219,10 @@ def _quiet_datasets() -> Iterator[None]:
     finally:
         if saved is None:
             os.environ.pop(key, None)
+        # on again only where it was: one imported inside read the variable at import, and
+        # would refuse (a two-line warning) to turn on
         ds = sys.modules.get("datasets")
-        if ds is not None and (was_on or saved is None):
+        if ds is not None and was_on:
             ds.utils.logging.enable_progress_bar()
 
 

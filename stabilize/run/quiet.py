@@ -1,4 +1,5 @@
-"""Known third-party noise off the console; ``verbose=true`` shows it.
+"""Known third-party noise off the console (``verbose=true`` shows it), and the run's
+description first.
 
 A default run prints our lines only: the step lines, the ``[stability]`` lines, the final
 summary. Each pattern below is a message another package prints in every run although it
@@ -73,3 +74,54 @@ def quiet(verbose: bool = False) -> Iterator[None]:
             os.environ.pop("WANDB_SILENT", None)
         else:
             os.environ["WANDB_SILENT"] = silent
+
+
+# Loggers whose lines before the run's one-line description wait until it is printed (the
+# README promises the description first): the token cache's build and mapping (in the
+# start-up checks), matplotlib's font cache (built on a fresh machine when Lightning imports
+# it: noise, dropped below ERROR unless verbose)
+HELD = ("stabilize.data", "matplotlib")
+
+
+class _Hold(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.loggers: list[tuple[logging.Logger, bool]] = []  # (logger, its own propagate)
+        self.verbose = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+_HOLD = _Hold()
+
+
+@contextmanager
+def held_until_described(verbose: bool = False) -> Iterator[None]:
+    """Inside, until ``described()``: the HELD loggers' lines wait, then follow in order (on
+    the way out at the latest: a run refused before its description still shows them)."""
+    if not _HOLD.loggers:  # not nested (a run inside a run holds once)
+        _HOLD.verbose = verbose
+        for name in HELD:
+            logger = logging.getLogger(name)
+            _HOLD.loggers.append((logger, logger.propagate))
+            logger.propagate = False
+            logger.addHandler(_HOLD)
+    try:
+        yield
+    finally:
+        described()
+
+
+def described() -> None:
+    """The description is out: the held lines are logged now (a no-op when none is held)."""
+    while _HOLD.loggers:
+        logger, propagate = _HOLD.loggers.pop()
+        logger.removeHandler(_HOLD)
+        logger.propagate = propagate
+    records, _HOLD.records = _HOLD.records, []
+    for r in records:
+        if r.name.startswith("matplotlib") and r.levelno < logging.ERROR and not _HOLD.verbose:
+            continue
+        logging.getLogger(r.name).handle(r)

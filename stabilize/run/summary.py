@@ -95,6 +95,8 @@ def final_summary(cfg, result: dict[str, Any], events: list[dict[str, Any]]) -> 
     if result.get("wandb_offline_dir"):
         d = result["wandb_offline_dir"]
         lines.append(f"W&B offline run: {d} (to upload: wandb sync {d})")
+    if result.get("hf_dir"):
+        lines.append(f"Hugging Face model: {result['hf_dir']} (from_pretrained loads it)")
     lines.append(f"run dir: {result['run_dir']}")
     return lines
 
