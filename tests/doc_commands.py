@@ -124,6 +124,7 @@ COMMANDS: dict[str, str] = {
     "replay-mylm": "stabilize-replay --trust-code runs/mylm/bundles/step-000006-nonfinite",
     "bisect-guard": "stabilize-replay --bisect --trust-code "
     "runs/guard/bundles/step-000005-activation",
+    "replay-hf-trainer": "stabilize-replay runs/hf/bundles/step-000004-nonfinite",
     "train-hf": "stabilize-train model=hf norm.reduction_dtype=fp16 precision=fp16-mixed "
     "trainer.max_steps=20",
     "bench-your-model": "python scripts/bench_your_model.py --rounds 64",

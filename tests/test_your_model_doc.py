@@ -79,10 +79,20 @@ def test_the_guard_example_prints_what_the_doc_says_and_its_bisection_names_the_
     assert r.stdout.strip() + "\n" in blocks, r.stdout
 
 
+def test_the_hf_trainer_example_prints_what_the_doc_says_and_its_bundle_replays(tmp_path):
+    files, outputs = _files_and_outputs()
+    for name in ("myllama.py", "train_hf.py"):
+        (tmp_path / name).write_text(files[name])
+    _prints("train_hf.py", outputs["train_hf.py"], tmp_path)
+    r = _run(shlex.split(doc_command("replay-hf-trainer")), tmp_path)  # no flag: by registry
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "reproduces: no"
+
+
 def test_the_hf_extra_the_doc_installs_is_declared_and_met_here():
     assert doc_command("hf-extra").endswith("-e '.[hf]'")
     reqs = [Requirement(r) for r in requires("stabilize") or []]
     hf = [r for r in reqs if r.marker is not None and r.marker.evaluate({"extra": "hf"})]
     hf = [r for r in hf if not r.marker.evaluate({"extra": ""})]
-    assert [r.name for r in hf] == ["transformers"]
-    assert version("transformers") in hf[0].specifier
+    assert [r.name for r in hf] == ["transformers", "accelerate"]  # the Trainer needs both
+    assert all(version(r.name) in r.specifier for r in hf)
