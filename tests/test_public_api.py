@@ -36,6 +36,7 @@ def test_the_exported_names_are_the_modules_own():
         "StabilityAbort",
         "Guard",
         "Verdict",
+        "HFStabilityCallback",
         "MonitorConfig",
         "RollbackConfig",
         "FaultConfig",
@@ -74,3 +75,7 @@ def test_the_entry_points_signatures_are_pinned():
     ]  # fmt: skip
     assert [p for p, _ in params(stabilize.Guard.before_step)] == ["self", "loss"]
     assert set(stabilize.Verdict.__dataclass_fields__) == {"apply", "step", "loss", "events"}
+    assert params(stabilize.HFStabilityCallback.__init__) == [
+        ("self", pos), ("run_dir", pos), ("monitor", kw), ("rollback", kw), ("fault", kw),
+        ("factory", kw), ("blocks", kw),
+    ]  # fmt: skip

@@ -64,6 +64,15 @@ class StepStats:
     # edge_gd, edge_adam} (stability/curvature.py; docs/design-spikes.md)
     g2_v: dict[str, float] = field(default_factory=dict)
     opt: dict[str, float] = field(default_factory=dict)
+    # a quantized GEMM operand (``<layer>.x`` / ``.w`` / ``.dy``) on logged steps: its amax,
+    # amax over the format's max after scaling, saturated and underflow shares, clipped
+    # scale groups, SQNR in dB (stability/quant_sites.py)
+    quant_amax: dict[str, float] = field(default_factory=dict)
+    quant_amax_ratio: dict[str, float] = field(default_factory=dict)
+    quant_saturated: dict[str, float] = field(default_factory=dict)
+    quant_underflow: dict[str, float] = field(default_factory=dict)
+    quant_clipped: dict[str, float] = field(default_factory=dict)
+    quant_sqnr_db: dict[str, float] = field(default_factory=dict)
     # each rank's parameter fingerprint, on replica-check steps only (empty otherwise)
     replicas: tuple[int, ...] = ()
     norm_dim: dict[str, int] = field(default_factory=dict)  # norm -> width D (constant)
@@ -91,4 +100,11 @@ SERIES_METRICS = {
     "update_ratio": "update_ratio",
     "g2_v": "g2_v",
     "opt": "opt",
+    # the quantized GEMMs' operands (<layer>.x / .w / .dy), stability/quant_sites.py
+    "quant_amax": "q_amax",
+    "quant_amax_ratio": "q_ratio",
+    "quant_saturated": "q_sat",
+    "quant_underflow": "q_under",
+    "quant_clipped": "q_clip",
+    "quant_sqnr_db": "q_sqnr",
 }

@@ -14,7 +14,9 @@ Series, in a fixed order (so every rank stacks the same vector):
   probabilities at strided query rows (param_stats.lowest_head_entropy);
 - the output logits' log Z (max, and sum + token count for the mean), every step;
 - per block ``h.{i}`` (and ``other``: embeddings, final norm), on logged steps: the gradient
-  norm and the update/weight ratio of the coming optimizer step (``record_params``).
+  norm and the update/weight ratio of the coming optimizer step (``record_params``);
+- per quantized Linear (torchao's ``Float8Linear``), on logged steps: its GEMM operands'
+  headroom in their 8-bit format (quant_sites.py).
 
 Everything lands in one preallocated fp32 device buffer, laid out as
 ``[lead | block max | attn bound | norm |x| max | norm RMS max | -entropy | log Z max |
@@ -49,6 +51,7 @@ from stabilize.stability.param_stats import (
     param_groups_by_block,
     sampled_queries,
 )
+from stabilize.stability.quant_sites import PER_SITE, attach, find_quantized
 from stabilize.stability.readout import Units, unpack
 from stabilize.stability.view import ModelView, view_of
 
@@ -86,6 +89,10 @@ class StabilityProbe:
         self._o_ent, self._o_lz, self._o_gn, self._o_upd = o, o + na, o + na + 1, o + na + 1 + ng
         self._o_g2v, self._o_opt = o + na + 1 + 2 * ng, o + na + 1 + 3 * ng
         o += na + 1 + 3 * ng + len(self.OPT)
+        # the quantized GEMMs' operands, six max slots each (quant_sites.py)
+        self.quant = find_quantized(model)
+        self._o_q = o
+        o += len(self.quant) * PER_SITE
         self.n_maxima = o - lead
         self._o_over, self._o_dead, self._o_nan = (o + k * nn_ for k in (0, 1, 2))
         self._o_lzsum = o + 3 * nn_  # log Z summed over tokens, and the token count (summed)
@@ -115,6 +122,7 @@ class StabilityProbe:
                 site.module.stats_sink, site.module.stats_index = self, j
             else:  # a norm we did not build: its input, read by a pre-hook
                 self._handles.append(site.module.register_forward_pre_hook(self._norm_hook(j)))
+        self._handles += attach(self, self.quant, self._o_q)
 
     # ---- the step's buffer ------------------------------------------------------------------
     @property

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stabilize.stability.quant_sites import PER_SITE, unpack_sites
+
 
 class Units:
     """Which block outputs are a norm's input (``alias``: block -> norm), and the block
@@ -105,6 +107,8 @@ def unpack(p, maxima: list[float], counts: list[float]) -> dict[str, dict[str, A
         out[field] = {g: v for g, v in zip(groups, vals, strict=True) if not v < 0}
     opt = zip(p.OPT, maxima[at["opt"] : at["opt"] + len(p.OPT)], strict=True)
     out["opt"] = {k: v for k, v in opt if v != -math.inf and not (k[:4] != "curv" and v < 0)}
+    o = p._o_q - p.lead
+    out.update(unpack_sites(p.quant, maxima[o : o + len(p.quant) * PER_SITE]))
     out["norm_dim"] = p.dims  # constant: the RMS line 255.94 / sqrt(D) needs D
     out["act_alias"] = dict(p.units.alias)
     return out

@@ -1,0 +1,127 @@
+"""The quantized GEMMs the probe watches: their operands' headroom (stabilize/quant/).
+
+A Linear whose matmul runs in 8 bits, torchao's ``Float8Linear`` (a model converted with
+``convert_to_float8_training``, by us or by the user), is found by duck type (its class
+name and its ``config``, torchao imported by no one here) and its recipe read off that
+config: per operand the scaling granularity (tensorwise or rowwise), the target format
+(E4M3 or E5M2) and whether scales are rounded to powers of two. For each site three
+operands are measured, as the GEMMs see them:
+
+- ``x``: fprop's input (a forward pre-hook);
+- ``w``: fprop's weight (the same hook);
+- ``dy``: dgrad's grad-output, the gradient of the Linear's output (a hook on that tensor).
+
+Per operand the six numbers of ``stabilize.quant.headroom.Headroom`` (amax, amax over the
+format's max after scaling, saturated share counted before the cast, underflow share,
+clipped groups, SQNR), computed with the same scaling the layer uses (current scaling:
+from the tensor itself), on the probe's logged steps, into max slots of the probe's buffer
+(so every rank and micro-batch folds to the worst, and the step stays one host sync). The
+SQNR rides negated (a max slot folds it to the lowest); an exact quantization's SQNR, +inf,
+rides as ``EXACT_DB``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from stabilize.quant.headroom import Headroom, headroom
+from stabilize.quant.quantize import Scheme
+
+OPERANDS = ("x", "w", "dy")
+METRICS = Headroom.names()  # amax, amax_ratio, saturated, underflow, clipped_blocks, sqnr_db
+EXACT_DB = 1e9  # the SQNR of an exact quantization (a zero tensor, values on the grid)
+PER_SITE = len(OPERANDS) * len(METRICS)
+# StepStats fields and their metric (stabilize/monitors/events.py SERIES_METRICS)
+FIELDS = {
+    "quant_amax": "amax",
+    "quant_amax_ratio": "amax_ratio",
+    "quant_saturated": "saturated",
+    "quant_underflow": "underflow",
+    "quant_clipped": "clipped_blocks",
+    "quant_sqnr_db": "sqnr_db",
+}
+_ELEM = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+@dataclass(frozen=True)
+class QuantSite:
+    name: str
+    module: nn.Module
+    schemes: tuple[Scheme, Scheme, Scheme]  # x, w, dy
+
+
+def _scheme(cast, pow2: bool) -> Scheme:
+    kind = "rowwise" if str(cast.scaling_granularity.value) == "axiswise" else "tensor"
+    return Scheme(kind, _ELEM.get(cast.target_dtype, "e4m3"), pow2=pow2)
+
+
+def find_quantized(model: nn.Module) -> list[QuantSite]:
+    """Every torchao ``Float8Linear`` of ``model``, in module order, with its schemes."""
+    sites = []
+    for name, m in model.named_modules():
+        cfg = getattr(m, "config", None)
+        if type(m).__name__ != "Float8Linear" or not hasattr(cfg, "cast_config_input"):
+            continue
+        pow2 = bool(getattr(cfg, "round_scales_to_power_of_2", False))
+        casts = (cfg.cast_config_input, cfg.cast_config_weight, cfg.cast_config_grad_output)
+        sites.append(QuantSite(name, m, tuple(_scheme(c, pow2) for c in casts)))
+    return sites
+
+
+def measure(t: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """The six numbers of ``t`` as one fp32 vector for max slots (SQNR negated)."""
+    with torch.no_grad():
+        v = headroom(t.detach().float(), scheme).stack()
+        v[-1] = -torch.clamp(v[-1], max=EXACT_DB)
+    return v
+
+
+def unpack_sites(sites: list[QuantSite], values: list[float]) -> dict[str, dict[str, float]]:
+    """Host values of the sites' slots -> one dict per ``FIELDS`` entry, keyed
+    ``<layer>.<operand>``; an operand not measured this step (its slots still -inf) is
+    left out."""
+    out: dict[str, dict[str, float]] = {f: {} for f in FIELDS}
+    for i, site in enumerate(sites):
+        for j, op in enumerate(OPERANDS):
+            o = (i * len(OPERANDS) + j) * len(METRICS)
+            vals = dict(zip(METRICS, values[o : o + len(METRICS)], strict=True))
+            if vals["amax"] == float("-inf"):
+                continue
+            vals["sqnr_db"] = -vals["sqnr_db"]
+            for field, metric in FIELDS.items():
+                out[field][f"{site.name}.{op}"] = vals[metric]
+    return out
+
+
+def attach(probe, sites: list[QuantSite], offset: int) -> list:
+    """The hooks that write each site's operands into ``probe.buf`` from ``offset`` on
+    (training forwards of logged steps only; no host sync); their handles."""
+
+    def write(o: int, t: torch.Tensor, scheme: Scheme) -> None:
+        buf = probe.buf
+        if buf is not None:
+            buf[o : o + len(METRICS)] = torch.maximum(buf[o : o + len(METRICS)], measure(t, scheme))
+
+    def due(module) -> bool:
+        return module.training and probe.buf is not None and probe.logged
+
+    handles, n = [], len(METRICS)
+    for i, site in enumerate(sites):
+        o = offset + i * PER_SITE
+        sx, sw, sdy = site.schemes
+
+        def pre(module, args, o=o, sx=sx, sw=sw):
+            if due(module) and args:
+                write(o, args[0], sx)
+                write(o + n, module.weight, sw)
+
+        def post(module, args, out, o=o + 2 * n, sdy=sdy):
+            if due(module) and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda g: write(o, g, sdy))  # returns None: g unchanged
+
+        handles.append(site.module.register_forward_pre_hook(pre))
+        handles.append(site.module.register_forward_hook(post))
+    return handles
