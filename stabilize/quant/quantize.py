@@ -112,7 +112,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, scale: torch.Tensor | None = None)
                 "allowed: quantize(x, scheme, scale=state.scale)"
             )
         a = scaling.amax(g, dim=-1)
-        s = scale.float().reshape(1, 1)
+        s = scale.detach().float().reshape(1, 1).clone()  # the state moves on after the cast
         s = scaling.round_down_pow2(s) if scheme.pow2 else s
         scaled = g * s
     elif scheme.kind in ("tensor", "rowwise"):

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stabilize.quant.headroom import Headroom, headroom
-from stabilize.quant.quantize import Scheme
+from stabilize.quant.headroom import Headroom, headroom, headroom_of
+from stabilize.quant.linear import QuantLinear
+from stabilize.quant.quantize import Quantized, Scheme
 
 OPERANDS = ("x", "w", "dy")
 METRICS = Headroom.names()  # amax, amax_ratio, saturated, underflow, clipped_blocks, sqnr_db
@@ -62,6 +63,9 @@ def find_quantized(model: nn.Module) -> list[QuantSite]:
     """Every torchao ``Float8Linear`` of ``model``, in module order, with its schemes."""
     sites = []
     for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):  # ours: it hands the probe each operand as cast
+            sites.append(QuantSite(name, m, m.schemes))
+            continue
         cfg = getattr(m, "config", None)
         if type(m).__name__ != "Float8Linear" or not hasattr(cfg, "cast_config_input"):
             continue
@@ -71,10 +75,12 @@ def find_quantized(model: nn.Module) -> list[QuantSite]:
     return sites
 
 
-def measure(t: torch.Tensor, scheme: Scheme) -> torch.Tensor:
-    """The six numbers of ``t`` as one fp32 vector for max slots (SQNR negated)."""
+def measure(t: torch.Tensor, scheme: Scheme, qz: Quantized | None = None) -> torch.Tensor:
+    """The six numbers of ``t`` as one fp32 vector for max slots (SQNR negated); ``qz``:
+    ``t`` as the layer itself quantized it (its scale), else quantized here."""
     with torch.no_grad():
-        v = headroom(t.detach().float(), scheme).stack()
+        hr = headroom_of(qz, t) if qz is not None else headroom(t.detach().float(), scheme)
+        v = hr.stack()
         v[-1] = -torch.clamp(v[-1], max=EXACT_DB)
     return v
 
@@ -100,10 +106,11 @@ def attach(probe, sites: list[QuantSite], offset: int) -> list:
     """The hooks that write each site's operands into ``probe.buf`` from ``offset`` on
     (training forwards of logged steps only; no host sync); their handles."""
 
-    def write(o: int, t: torch.Tensor, scheme: Scheme) -> None:
+    def write(o: int, t: torch.Tensor, scheme: Scheme, qz: Quantized | None = None) -> None:
         buf = probe.buf
         if buf is not None:
-            buf[o : o + len(METRICS)] = torch.maximum(buf[o : o + len(METRICS)], measure(t, scheme))
+            v = measure(t, scheme, qz)
+            buf[o : o + len(METRICS)] = torch.maximum(buf[o : o + len(METRICS)], v)
 
     def due(module) -> bool:
         return module.training and probe.buf is not None and probe.logged
@@ -111,6 +118,9 @@ def attach(probe, sites: list[QuantSite], offset: int) -> list:
     handles, n = [], len(METRICS)
     for i, site in enumerate(sites):
         o = offset + i * PER_SITE
+        if isinstance(site.module, QuantLinear):
+            handles.append(_Callback(site.module, o, write, due))
+            continue
         sx, sw, sdy = site.schemes
 
         def pre(module, args, o=o, sx=sx, sw=sw):
@@ -125,3 +135,19 @@ def attach(probe, sites: list[QuantSite], offset: int) -> list:
         handles.append(site.module.register_forward_pre_hook(pre))
         handles.append(site.module.register_forward_hook(post))
     return handles
+
+
+class _Callback:
+    """``QuantLinear.on_quantized`` set to write into the probe, as a removable handle."""
+
+    def __init__(self, module: QuantLinear, offset: int, write, due):
+        self.module = module
+
+        def on_quantized(i: int, qz: Quantized, t: torch.Tensor) -> None:
+            if due(module):
+                write(offset + i * len(METRICS), t, module.schemes[i], qz)
+
+        module.on_quantized = on_quantized
+
+    def remove(self) -> None:
+        self.module.on_quantized = None
