@@ -5,6 +5,7 @@ The public API (issue 36; docs/design-your-model.md) is exported here lazily (PE
 loads its module on first use: the stability callback for any LightningModule
 (docs/your-model.md), its settings, and norm discovery and surgery on any model."""
 
+import logging
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -31,6 +32,25 @@ _EXPORTS = {
     "ModelMap": "stabilize.model.foreign",
 }
 __all__ = ["__version__", *_EXPORTS]
+
+
+class _CpuNoise(logging.Filter):
+    """torchao's import (transformers imports it whenever it is installed) logs a warning
+    for each CUDA extension a machine without one cannot load, and torch a deprecation for
+    two of torchao's enums: lines a user can do nothing about, before their run's own. Only
+    those records are dropped; every other torchao and torch record goes through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        cuda_ext = msg.startswith("Failed to load ") and "torchao" in msg
+        enum = "is an Enum subclass and is now natively supported" in msg and any(
+            e in msg for e in ("KernelPreference", "ScaleCalculationMode")
+        )
+        return not (cuda_ext or enum)
+
+
+for _logger in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_logger).addFilter(_CpuNoise())
 
 
 def __getattr__(name: str) -> Any:

@@ -302,3 +302,15 @@ def test_a_bad_model_or_blocks_is_refused_at_setup_before_the_run_dir_is_made(tm
         trainer.fit(_Lit(), data)
     _one_line(err, words)
     assert not run.exists()
+
+
+def test_a_fault_layer_past_the_blocks_is_one_line_and_writes_nothing(tmp_path):
+    """A planted fault naming a block the model does not have: the key, the value and the
+    blocks there are, before the run dir is made (was an IndexError)."""
+    blocks = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)]))
+    opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+    fault = {"kind": "stream_drift", "layer": 5, "step": 2, "target": 300.0}
+    with pytest.raises(ConfigError) as err:
+        stabilize.Guard(blocks, opt, run_dir=tmp_path / "run", fault=fault)
+    _one_line(err, ["fault.layer=5", "2 residual blocks", "allowed: 0 to 1"])
+    assert not (tmp_path / "run").exists()

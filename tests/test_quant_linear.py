@@ -160,3 +160,18 @@ def test_nvfp4_trains_and_its_series_are_logged(tmp_path):
     assert losses[-1] < 0.5 * losses[0]  # it learns through 4-bit GEMMs
     seen = _logged(tmp_path)[20]
     assert 0 < seen["q_sqnr/0.x"] < 30  # E2M1: about 2 bits of mantissa
+
+
+def test_importing_torchao_through_transformers_prints_nothing_after_import_stabilize():
+    """With the fp8 extra installed, transformers imports torchao, whose import logs a line
+    per CUDA extension a CPU machine lacks and a deprecation for two enums: after
+    ``import stabilize`` those lines are gone (and only those)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    code = "import stabilize, torchao, transformers.trainer; print('done')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("done"), r.stderr
+    assert "Failed to load" not in r.stderr and "Enum subclass" not in r.stderr, r.stderr

@@ -44,16 +44,25 @@ from torch.utils.hooks import RemovableHandle
 
 from stabilize.compat import fsdp_gathered_params
 from stabilize.faults.config import FAULTS, FaultConfig
+from stabilize.validate import ConfigError
 
 
-def residual_blocks(model: nn.Module) -> list[nn.Module]:
+def residual_blocks(model: nn.Module, layer: int | None = None) -> list[nn.Module]:
     """The model's residual blocks in order: our GPT's ``h``; any other model's as the
-    probe finds them (``inspect_model``: the longest ModuleList of one class)."""
+    probe finds them (``inspect_model``: the longest ModuleList of one class). ``layer``:
+    the block a fault names, checked to be one of them (one line, before any hook)."""
     if isinstance(getattr(model, "h", None), nn.ModuleList):
-        return list(model.h)
-    from stabilize.model.foreign import inspect_model
+        blocks = list(model.h)
+    else:
+        from stabilize.model.foreign import inspect_model
 
-    return [m for _, m in inspect_model(model).blocks]
+        blocks = [m for _, m in inspect_model(model).blocks]
+    if layer is not None and not 0 <= layer < len(blocks):
+        raise ConfigError(
+            f"fault.layer={layer!r} is not allowed: the model has {len(blocks)} residual "
+            f"blocks; allowed: 0 to {len(blocks) - 1}"
+        )
+    return blocks
 
 
 def first_tensor(out):

@@ -85,7 +85,8 @@ class ActivationDrift(Fault):
             )
 
     def attach(self, model: nn.Module) -> None:
-        residual_blocks(model)[self.cfg.layer].register_forward_hook(self._drift_hook)
+        block = residual_blocks(model, self.cfg.layer)[self.cfg.layer]
+        block.register_forward_hook(self._drift_hook)
 
     def _drift_hook(self, module, args, out):
         c = self.cfg

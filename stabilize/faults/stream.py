@@ -46,7 +46,7 @@ class StreamDrift(ActivationDrift):
             )
 
     def attach(self, model: nn.Module) -> None:
-        blocks = residual_blocks(model)
+        blocks = residual_blocks(model, self.cfg.layer)
         blocks[self.cfg.layer].register_forward_hook(self._scale_output)
         for block in blocks[self.cfg.layer + 1 :]:
             block.register_forward_hook(self._scale_update, with_kwargs=True)
