@@ -22,6 +22,8 @@ COPY pyproject.toml setup.py README.md ./
 COPY stabilize ./stabilize
 COPY configs ./configs
 COPY scripts ./scripts
+# the benchmark scripts' libraries (not installed with the package: scripts/README.md)
+COPY benchmarks ./benchmarks
 # torch>=2.4 is already satisfied by the container's own CUDA build, so pip keeps it.
 RUN pip install --no-cache-dir -e . \
  && python -c "import torch, stabilize; print('torch', torch.__version__)" \

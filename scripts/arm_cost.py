@@ -10,7 +10,7 @@ is the machine's load as much as the arm (issue 34: 1.35-1.52 for every arm, bf1
 Here every arm's training step runs in this one process: bench_step.py's bare loop (the
 arm's model and norms as its config composes them, its data, AdamW, LR schedule, clipping,
 autocast and, for fp16, a GradScaler; no monitors, no rollback: their cost is the same in
-every arm, stabilize/bench/monitor_toggle.py measures it), ``--steps`` steps per arm per round, the
+every arm, benchmarks/monitor_toggle.py measures it), ``--steps`` steps per arm per round, the
 arms in order on even rounds and reversed on odd ones, so a change of the machine's speed
 hits every arm of a round alike. Writes ``cost.json`` (stabilize/report/cost.py reads it:
 per round, each arm's step over the reference's; the report shows their median and range).
@@ -27,11 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import torch
-from bench_step import bare_steps  # (stabilize.bench.lib first: the offline environment)
+from bench_step import bare_steps
 
-from stabilize.bench.docblock import cpu
-from stabilize.bench.lib import compose_cfg
+from benchmarks.docblock import cpu
+from benchmarks.lib import compose_cfg
 
 UNTIMED = ("remedy",)  # its step changes with the rung it takes: no one config to time
 WHAT = "the bare step: the arm's model, AdamW, autocast and GradScaler; no monitors"

@@ -21,9 +21,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from stabilize.bench.lib import CONFIGS, StepClock, compose_cfg, prepare, run_overrides, train_with
-from stabilize.bench.monitor_toggle import Toggle, toggle_args, toggled, toggled_rows
-from stabilize.bench.stats import BLOCK, load_average, print_table
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
+
+from benchmarks.lib import CONFIGS, StepClock, compose_cfg, prepare, run_overrides, train_with
+from benchmarks.monitor_toggle import Toggle, toggle_args, toggled, toggled_rows
+from benchmarks.stats import BLOCK, load_average, print_table
 from stabilize.lit.stability import StabilityCallback
 
 EVERY = 10  # the table's cadence: log steps per pass, and steps per log step

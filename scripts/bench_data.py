@@ -36,9 +36,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import datasets
 
-from stabilize.bench.stats import load_average, md_row, md_table
+from benchmarks.stats import load_average, md_row, md_table
 from stabilize.data import (
     ByteTokenizer,
     DataConfig,
@@ -50,7 +51,7 @@ from stabilize.data import (
 from stabilize.data.token_file import write_tokens
 from stabilize.data.tokenizer import encode_documents, text_batches
 
-ROOT = Path(__file__).resolve().parents[1]  # not stabilize.bench.lib's: no Lightning here
+ROOT = Path(__file__).resolve().parents[1]  # not benchmarks.lib's: no Lightning here
 
 WRAP = (
     "import resource, subprocess, sys\n"

@@ -18,7 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from stabilize.bench.lib import CONFIGS, compose_cfg
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
+
+from benchmarks.lib import CONFIGS, compose_cfg
 from stabilize.train import run
 
 EVERY = 10

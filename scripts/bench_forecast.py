@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from stabilize.model import GPT, GPTConfig
-from stabilize.monitors.activations import ActivationConfig
-from stabilize.monitors.forecast import LineForecaster
+from stabilize.monitors.forecast import ForecastConfig, LineForecaster
 from stabilize.norms import Norm
 
 WARMUP = 20
@@ -46,7 +45,7 @@ def refit_times(n_layer: int, steps: int, seed: int = 0) -> tuple[list[float], i
     rng = np.random.default_rng(seed)
     norms = norm_names(n_layer)
     level = rng.uniform(0.01, 0.1, len(norms))
-    fc, out, fitted = LineForecaster(ActivationConfig()), [], 0
+    fc, out, fitted = LineForecaster(ForecastConfig()), [], 0
     for step in range(steps):
         ratio = level * np.exp(0.01 * step) * (1 + 0.05 * rng.standard_normal(len(norms)))
         values = {}

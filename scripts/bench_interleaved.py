@@ -25,11 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import lightning as L
 import torch
 from bench_step import AUTOCAST, bare_steps
 
-from stabilize.bench.lib import (
+from benchmarks.lib import (
     CONFIGS,
     add_run_args,
     compose_cfg,

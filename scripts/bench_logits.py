@@ -2,7 +2,7 @@
 
 One training run per config, every default monitor and rollback snapshots on throughout; the
 new parts are switched off and on every BLOCK steps in ABBA order (on, off, off, on, ...),
-as stabilize/bench/monitor_toggle.py does for the whole stability layer, so a drift of the shared
+as benchmarks/monitor_toggle.py does for the whole stability layer, so a drift of the shared
 machine's speed hits both arms alike. "On" is the default config:
 
 - ``monitor.attn_logit``: the attention-logit bound measured on every step (else only on log
@@ -30,9 +30,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from stabilize.bench.lib import CONFIGS, StepClock, compose_cfg, prepare, run_overrides, train_with
-from stabilize.bench.monitor_toggle import Toggle, toggle_args, toggled, toggled_rows
-from stabilize.bench.stats import (
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
+
+from benchmarks.lib import CONFIGS, StepClock, compose_cfg, prepare, run_overrides, train_with
+from benchmarks.monitor_toggle import Toggle, toggle_args, toggled, toggled_rows
+from benchmarks.stats import (
     BLOCK,
     load_average,
     print_table,

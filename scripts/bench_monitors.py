@@ -54,7 +54,7 @@ Each is shown as a multiple of the off-arm's median step time (target: rollback 
 On a busy 2-core machine two OpenMP threads stall whenever another job holds a core: the
 header prints the load average; use --threads 1 there.
 
-The verdict comes from a third measurement, in one run (stabilize/bench/monitor_toggle.py): the
+The verdict comes from a third measurement, in one run (benchmarks/monitor_toggle.py): the
 monitors switched off and on every 10 steps in ABBA order, so the machine's drifts hit both.
 ``--replicas-steps N`` measures only the replica fingerprint the same way (monitors on in
 every block; the fingerprint every 10 steps in "on" blocks, as ``monitor.replicas.every``
@@ -64,7 +64,7 @@ Usage: python scripts/bench_monitors.py [--quick] [--steps 100] [--warmup 10] [-
        [--configs tiny,small[,125m]] [--precision fp32] [--logger wandb|none] [--threads N]
        [--toggle-steps 800]
 
-Files: this one runs the pairs; in stabilize/bench/, monitor_clock.py times the parts and the
+Files: this one runs the pairs; in benchmarks/, monitor_clock.py times the parts and the
 snapshot / restore, monitor_toggle.py the in-run toggle, monitor_report.py prints the tables
 and verdicts; the harness (lib.py) and the robust statistics (stats.py) are shared with the
 other benchmarks.
@@ -78,12 +78,14 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from stabilize.bench.lib import CONFIGS as BASE_CONFIGS  # (sets the offline environment)
-from stabilize.bench.lib import add_run_args, compose_cfg, prepare, run_overrides, train_with
-from stabilize.bench.monitor_clock import PARTS, BenchClock
-from stabilize.bench.monitor_report import report
-from stabilize.bench.monitor_toggle import FingerprintToggle, toggle_bench
-from stabilize.bench.stats import block_overhead, window_blocks
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
+
+from benchmarks.lib import CONFIGS as BASE_CONFIGS
+from benchmarks.lib import add_run_args, compose_cfg, prepare, run_overrides, train_with
+from benchmarks.monitor_clock import PARTS, BenchClock
+from benchmarks.monitor_report import report
+from benchmarks.monitor_toggle import FingerprintToggle, toggle_bench
+from benchmarks.stats import block_overhead, window_blocks
 from stabilize.run.config import RunConfig
 
 CONFIGS = {

@@ -36,10 +36,11 @@ import sys
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import torch
 import torch.nn.functional as F
 
-from stabilize.bench.stats import load_average, md_table, quartiles
+from benchmarks.stats import load_average, md_table, quartiles
 from stabilize.norms import (
     BACKENDS,
     NORM_TYPES,

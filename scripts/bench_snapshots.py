@@ -26,9 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import lightning as L
 
-from stabilize.bench.lib import ROOT, compose_cfg, mute_progress  # (sets the environment)
+from benchmarks.lib import ROOT, compose_cfg, mute_progress
 from stabilize.lit.stability import StabilityCallback
 from stabilize.rollback.sharded import host_bytes
 

@@ -21,7 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from stabilize.bench.stats import load_average, print_table, span
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
+
+from benchmarks.stats import load_average, print_table, span
 
 ONE_STEP = [
     "trainer.max_steps=1",

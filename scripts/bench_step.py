@@ -44,12 +44,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import lightning as L
 import torch
 import torch.nn.functional as F
 
-from stabilize.bench.lib import CONFIGS as BASE_CONFIGS  # (sets the offline environment)
-from stabilize.bench.lib import (
+from benchmarks.lib import CONFIGS as BASE_CONFIGS
+from benchmarks.lib import (
     StepClock,
     add_run_args,
     compose_cfg,
@@ -57,7 +58,7 @@ from stabilize.bench.lib import (
     run_overrides,
     train_with,
 )
-from stabilize.bench.stats import print_table, span
+from benchmarks.stats import print_table, span
 from stabilize.data import build_dataloaders
 from stabilize.lit.build import resolve_accelerator
 from stabilize.lit.module import lr_factor, param_groups

@@ -1,7 +1,7 @@
 """The monitors' cost on a Hugging Face GPT-2 against our GPT of the same size (issue 36,
 "Done when" 4: within 1 point).
 
-Each measurement is the in-run ABBA toggle (stabilize/bench/monitor_toggle.py): one
+Each measurement is the in-run ABBA toggle (benchmarks/monitor_toggle.py): one
 training run switches every monitor and the snapshots off and on every 10 steps, and the
 overhead is the median over quads of (on blocks) / (off blocks) - 1. The two models are
 run alternately in one process, in ABBA order over rounds (ours, theirs, theirs, ours,
@@ -15,7 +15,7 @@ measures is what that costs.
 
 It prints each round's overhead per model (wall clock; process CPU time beside it), the
 medians, and per clock the per-round differences with a distribution-free interval for
-their median (the sign test's, ~90% or more: stabilize/bench/stats.py ``median_interval``),
+their median (the sign test's, ~90% or more: benchmarks/stats.py ``median_interval``),
 and says "within 1 point" only where that interval lies inside +-1 point, "not within"
 where it lies outside, else "not resolved" with the interval.
 
@@ -33,11 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import torch
 
-from stabilize.bench.lib import compose_cfg, run_overrides
-from stabilize.bench.monitor_toggle import toggle_bench
-from stabilize.bench.stats import load_average, median_interval
+from benchmarks.lib import compose_cfg, run_overrides
+from benchmarks.monitor_toggle import toggle_bench
+from benchmarks.stats import load_average, median_interval
 
 MODELS = {
     "our GPT": ["model=tiny"],

@@ -23,8 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from stabilize.bench.docblock import commit, cpu, replace_block
-from stabilize.bench.drills import DRILL_MONITORS
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
+
+from benchmarks.docblock import commit, cpu, replace_block
+from benchmarks.drills import DRILL_MONITORS
 
 ROOT = Path(__file__).resolve().parents[1]
 

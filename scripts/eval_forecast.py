@@ -3,7 +3,7 @@
     python scripts/eval_forecast.py [--quick | --core] [--save runs.json | --load runs.json]
                                     [--set monitor.activation.KEY=VALUE ...] [--doc DOC]
 
-The set (stabilize/bench/forecast_set.py): natural growth (``nan_repro_natural``, no injection, at
+The set (benchmarks/forecast_set.py): natural growth (``nan_repro_natural``, no injection, at
 LR 1e-2 / 3e-2 / 1e-1), the injected drift (``activation_drift``) and healthy runs, on every
 placement (pre, post, sandwich, DeepNorm), two widths and depths, three norm types, two
 corpora, fp32 and a real fp16 reduction; ``--core`` is the first 24 runs (tiny, pre/post),
@@ -16,7 +16,7 @@ block's output measure |x| max and the largest row RMS of each training step. Th
 is the ``ActivationMonitor`` a run builds (``line=fp16_square``), fed the run's recorded
 per-step ``StepStats``: the monitor is a function of those alone, so replaying them gives
 the events the live run would have logged, and other settings can be scored without
-retraining (``--load``). Prints markdown tables (stabilize/monitors/forecast_score.py) by
+retraining (``--load``). Prints markdown tables (benchmarks/forecast_score.py) by
 kind of run, placement, precision and the other axes, and the targets each placement and
 precision misses (exit 1 when one is missed). ``--save`` keeps every finished run: an
 interrupted set resumes from it. ``--doc docs/forecast.md`` writes the tables there.
@@ -37,11 +37,16 @@ from pathlib import Path
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import lightning as L
 import torch
 
-from stabilize.bench.docblock import commit, cpu, replace_block
-from stabilize.bench.forecast_set import (
+from benchmarks.docblock import commit, cpu, replace_block
+from benchmarks.forecast_score import (
+    RunScore,
+    first_crossings,
+)
+from benchmarks.forecast_set import (
     BASE,
     CODE,
     code_corpus,
@@ -53,15 +58,18 @@ from stabilize.bench.forecast_set import (
     tags,
     wide,
 )
-from stabilize.bench.forecast_tables import relabel_crossed, report, score, truth_units
-from stabilize.monitors.activations import ActivationConfig
-from stabilize.monitors.forecast_score import (
-    RunScore,
-    first_crossings,
+from benchmarks.forecast_tables import (
+    activation_config,
+    relabel_crossed,
+    report,
+    score,
+    truth_units,
 )
+from stabilize.monitors.activations import ActivationConfig
+from stabilize.monitors.forecast import FLAT_KEYS, ForecastConfig
 from stabilize.norms import Norm
 
-# the holdouts, each recorded before and scored after one change (stabilize/bench/forecast_set.py)
+# the holdouts, each recorded before and scored after one change (benchmarks/forecast_set.py)
 HOLDOUTS = {"holdout": holdout, "holdout2": holdout2, "holdout3": holdout3, "holdout4": holdout4}
 
 
@@ -180,12 +188,16 @@ def main(argv=None) -> int:
     for kv in args.set:
         key, _, value = kv.partition("=")
         key = key.removeprefix("monitor.activation.")
-        field = {f.name: f for f in dataclasses.fields(ActivationConfig)}.get(key)
-        if field is None or not value:
+        name = FLAT_KEYS.get(key) or key.removeprefix("forecast.")  # flat names as recorded
+        own = "." not in key and key != "forecast" and hasattr(ActivationConfig(), key)
+        default = (
+            getattr(ForecastConfig(), name, None) if not own else getattr(ActivationConfig(), key)
+        )
+        if default is None or not value:
             print(f"--set {kv!r}: not a monitor.activation KEY=VALUE", file=sys.stderr)
             return 2
-        settings[key] = _parse(value, type(getattr(ActivationConfig(), key)))
-    cfg = ActivationConfig(**settings)
+        settings[key] = _parse(value, type(default))
+    cfg = activation_config(settings)
     t0 = time.time()
     plan = [] if args.holdouts_only else core(args.quick)
     plan += [] if args.quick or args.core or args.holdouts_only else wide()

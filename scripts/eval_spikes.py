@@ -4,7 +4,7 @@
                                   [--quick] [--holdout] [--past-line] [--reach] [--horizon 40]
                                   [--doc docs/forecast.md [--doc-block NAME]]
 
-The set, the labels and the scoring: stabilize/bench/spike_eval.py. Each run is trained in
+The set, the labels and the scoring: benchmarks/spike_eval.py. Each run is trained in
 this process with every step logged and the curvature measured on every step; its per-step
 ``StepStats`` (the monitors' input) are recorded, and the monitor, forecast on, is fed them
 again at each cadence scored: the monitor is a function of them alone, so the replay gives
@@ -33,11 +33,12 @@ from pathlib import Path
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import lightning as L
 
-from stabilize.bench.docblock import commit, cpu, write_block
-from stabilize.bench.spike_eval import BASE, holdout, report, spike_set
-from stabilize.bench.spike_reach import reach
+from benchmarks.docblock import commit, cpu, write_block
+from benchmarks.spike_eval import BASE, holdout, report, spike_set
+from benchmarks.spike_reach import reach
 
 
 class Recorder(L.Callback):
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
         "--reach",
         action="store_true",
         help="instead of the forecast's tables: what threshold rules on the optimizer-state "
-        "series reach, chosen on the set itself (stabilize/bench/spike_reach.py)",
+        "series reach, chosen on the set itself (benchmarks/spike_reach.py)",
     )
     p.add_argument("--doc", type=Path, help="also write the tables into this doc")
     args = p.parse_args(argv)

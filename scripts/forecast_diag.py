@@ -21,14 +21,15 @@ import statistics
 import sys
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import numpy as np
 
 import stabilize.monitors.forecast as F
-from stabilize.bench.forecast_set import core, holdout, holdout2, holdout3, tags, wide
-from stabilize.bench.forecast_tables import relabel_crossed, score, truth_units
+from benchmarks.forecast_score import first_crossings, row_metrics
+from benchmarks.forecast_set import core, holdout, holdout2, holdout3, tags, wide
+from benchmarks.forecast_tables import relabel_crossed, score, truth_units
 from stabilize.monitors.activations import ActivationConfig, ActivationMonitor
 from stabilize.monitors.events import StepStats
-from stabilize.monitors.forecast_score import first_crossings, row_metrics
 
 RANGES = (("steps <= 8", 0, 8), ("steps 9-20", 9, 20), ("steps > 20", 21, 10**9))
 
@@ -75,7 +76,7 @@ def at_lead(r: dict, layer: str, step: int, cfg: ActivationConfig) -> str:
         if lay != layer:
             continue
         n = min(mon.forecaster.seen[(lay, kind)], mon.forecaster.window)
-        low = p.slope - cfg.forecast_z * p.sigma * math.sqrt(12.0 / (n**3 - n))
+        low = p.slope - cfg.forecast.z * p.sigma * math.sqrt(12.0 / (n**3 - n))
         parts.append(f"{kind} at {math.exp(p.level):.2f} of its line, slope {p.slope:.2f}, "
                      f"noise {p.sigma:.2f}, lower slope {low:.2f} ({n} points)")  # fmt: skip
     return f"at step {step}: " + ("; ".join(parts) or "no forecast yet")
@@ -114,11 +115,11 @@ def main() -> int:
         med = statistics.median(n * (1 + c / st) / real for st, n, real in nat)
         lo, hi = (c, hi) if med < 1 else (lo, c)
     print(f"forecast_slow_steps fitted on the core set's natural runs: {(lo + hi) / 2:.1f}")
-    for label, k in (("flat 1.8x", None), (f"1 + {cfg.forecast_slow_steps:g} / step", 1)):
+    for label, k in (("flat 1.8x", None), (f"1 + {cfg.forecast.slow_steps:g} / step", 1)):
         meds = []
         for _, lo_, hi_ in RANGES:
             sel = [(st, n, real) for _, _, st, n, real in tw if lo_ <= st <= hi_]
-            f = (lambda st: 1.8) if k is None else (lambda st: 1 + cfg.forecast_slow_steps / st)
+            f = (lambda st: 1.8) if k is None else (lambda st: 1 + cfg.forecast.slow_steps / st)
             meds.append(statistics.median(n * f(st) / real for st, n, real in sel))
         print(f"  slowed / real, {label}: " + " / ".join(f"{m:.2f}" for m in meds))
     print("DeepNorm: missed warnable crossings (step, layer; the warnings before it):")
@@ -153,7 +154,7 @@ def main() -> int:
             )
     print("holdout" + (" (the margin of before)" if a.sqrt_margin else "") + ":")
     for climb in (1.0, 0.0):
-        ss = score(runs, ActivationConfig(line="fp16_square", forecast_climb=climb), cross)
+        ss = score(runs, ActivationConfig(line="fp16_square", forecast={"climb": climb}), cross)
         m = row_metrics([s for s in ss if s.name in in_hold])
         print(
             f"  forecast_climb={climb:g}: recall (warnable) {m['recall_warnable']:.2f}, "

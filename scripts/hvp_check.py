@@ -17,9 +17,10 @@ import sys
 import warnings
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import torch
 
-from stabilize.bench.docblock import commit, cpu, write_block
+from benchmarks.docblock import commit, cpu, write_block
 from stabilize.model import build_model
 from stabilize.model.config import GPTConfig
 from stabilize.model.logits import lm_loss

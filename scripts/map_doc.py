@@ -17,7 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from stabilize.bench.docblock import cpu, write_block
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
+
+from benchmarks.docblock import cpu, write_block
 from stabilize.map.report import write_report
 from stabilize.map.spec import load_spec
 

@@ -23,10 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import torch
 
-from stabilize.bench.docblock import commit, cpu, write_block
-from stabilize.bench.lib import compose_cfg
+from benchmarks.docblock import commit, cpu, write_block
+from benchmarks.lib import compose_cfg
 from stabilize.replay.gap_bisect import gap_bisect, tail
 from stabilize.report.gap import judge
 from stabilize.report.load import load_run_dir

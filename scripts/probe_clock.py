@@ -19,12 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
 import lightning as L
 import torch
 
 import stabilize.lit.stability as CB
 import stabilize.stability.probe as P
-from stabilize.bench.lib import CONFIGS, compose_cfg, run_overrides, train_with
+from benchmarks.lib import CONFIGS, compose_cfg, run_overrides, train_with
 from stabilize.model.gpt import GPT
 
 spent: collections.defaultdict[str, float] = collections.defaultdict(float)

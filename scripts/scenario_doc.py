@@ -16,7 +16,9 @@ import re
 import sys
 from pathlib import Path
 
-from stabilize.bench.docblock import commit, cpu, write_block
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
+
+from benchmarks.docblock import commit, cpu, write_block
 
 SECTIONS = ("## Per arm", "## Against the reference", "## Conclusions", "## Forecast warnings")
 

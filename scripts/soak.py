@@ -30,7 +30,9 @@ import threading
 import time
 from pathlib import Path
 
-from stabilize.bench.soak import (
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
+
+from benchmarks.soak import (
     KINDS,
     final_state,
     job_row,
@@ -59,7 +61,7 @@ def faults(steps: int) -> dict[str, list[str]]:
 
 
 def common(args) -> list[str]:
-    from stabilize.bench.drills import DRILL_MONITORS
+    from benchmarks.drills import DRILL_MONITORS
 
     return [
         f"trainer.max_steps={args.steps}",
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[soak] {name}: {rows[-1]['interruptions']} interruptions, "
               f"{'bitwise' if rows[-1]['bitwise'] else 'NOT bitwise'} equal to its twin, "
               f"{time.monotonic() - t0:.0f} s so far", file=sys.stderr, flush=True)  # fmt: skip
-    from stabilize.bench.docblock import commit, cpu
+    from benchmarks.docblock import commit, cpu
 
     head = (
         f"`python scripts/soak.py --jobs {args.jobs} --steps {args.steps} --every "
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.doc:
-        from stabilize.bench.docblock import write_block
+        from benchmarks.docblock import write_block
 
         return write_block(ROOT / "docs" / "operations.md", "soak", body, "soak.py")
     return 0 if all(r["bitwise"] and r["done"] for r in rows) else 1

@@ -14,6 +14,7 @@ import pytest
 
 from stabilize.monitors.activations import ActivationConfig, ActivationMonitor, resolve_line
 from stabilize.monitors.events import StepStats
+from stabilize.monitors.forecast import ForecastConfig
 from stabilize.train import run
 from stabilize.validate import ConfigError
 
@@ -95,15 +96,16 @@ def test_fp16_activations_with_a_wide_reduction_name_the_cast_line():
     mon = ActivationMonitor.from_config("activation", c)
     (e,) = mon.update(StepStats(step=1, loss=1.0, act_max={"h.0": 300.0}))
     assert e.kind == "info" and "65504" in e.message
+    fast = ForecastConfig(window=4, start=4)
     for line in ("off", "info"):
-        quiet = ActivationMonitor(ActivationConfig(line=line, window=4, forecast_start=4))
+        quiet = ActivationMonitor(ActivationConfig(line=line, forecast=fast))
         evs = [
             quiet.update(StepStats(step=s, loss=1.0, act_max={"h.0": 2.0**s})) for s in range(1, 8)
         ]
         assert not [e for es in evs for e in es if e.monitor == "forecast"] and not quiet.forecast
-    loud = ActivationMonitor(ActivationConfig(line="fp16_square", window=4, forecast_start=4))
+    loud = ActivationMonitor(ActivationConfig(line="fp16_square", forecast=fast))
     evs = [loud.update(StepStats(step=s, loss=1.0, act_max={"h.0": 2.0**s})) for s in range(1, 8)]
-    # step 4 (16): 8x climbed, 16x left (forecast_climb 1 holds it); step 5 (32): 16x, 8x left
+    # step 4 (16): 8x climbed, 16x left (forecast.climb 1 holds it); step 5 (32): 16x, 8x left
     assert [e.step for es in evs for e in es if e.monitor == "forecast"] == [5]
 
 

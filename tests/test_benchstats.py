@@ -1,11 +1,11 @@
-"""The benchmarks' shared statistics and tables (stabilize/bench/stats.py), and the size rule
+"""The benchmarks' shared statistics and tables (benchmarks/stats.py), and the size rule
 for the scripts that use them (issue 10: no script over ~300 lines)."""
 
 from __future__ import annotations
 
 import pytest
 
-from stabilize.bench.stats import (  # noqa: E402
+from benchmarks.stats import (  # noqa: E402
     BLOCK,
     block_overhead,
     md_table,
@@ -62,7 +62,7 @@ def test_median_interval_is_the_sign_tests_by_hand():
     """Coverage 1 - 2 P(Bin(n, 1/2) < k), by hand: n = 8, k = 2: 1 - 2 (1 + 8) / 256;
     n = 12, k = 3: 1 - 2 (1 + 12 + 66) / 4096 (k = 4 would give 0.854 < 0.9); n = 4 is too
     few for 0.9: the whole range, 1 - 2 / 16."""
-    from stabilize.bench.stats import median_interval
+    from benchmarks.stats import median_interval
 
     assert median_interval([5.0, 1.0, 3.0, 2.0, 8.0, 7.0, 4.0, 6.0]) == (2.0, 7.0, 1 - 18 / 256)
     assert median_interval(list(range(12))) == (2, 9, 1 - 2 * 79 / 4096)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabilize.bench.drills import DRILL_MONITORS
+from benchmarks.drills import DRILL_MONITORS
 from stabilize.replay import main as replay_main
 from stabilize.train import run
 

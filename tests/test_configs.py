@@ -172,8 +172,8 @@ def test_errors_name_the_key_that_was_set(tmp_path):
         with pytest.raises(ValueError, match=rf"monitor\.{section}\.threshold=-1 is not allowed"):
             compose_run(tmp_path, [f"monitor.{section}.threshold=-1"])
     # every dataclass field is a key of the composed config: no "use +" for a real setting
-    cfg = compose_run(tmp_path, ["monitor.activation.forecast_damped=false"])
-    assert cfg.monitor.activation.forecast_damped is False
+    cfg = compose_run(tmp_path, ["monitor.activation.forecast.damped=false"])
+    assert cfg.monitor.activation.forecast.damped is False
     cfg = compose_run(tmp_path, ["rollback.remedy.skip_data.batches=7"])
     assert cfg.rollback.remedy.skip_data.batches == 7
     with pytest.raises(ValueError, match=r"rollback\.remedy\.lower_lr\.factor=2\.0 is not allowed"):

@@ -26,7 +26,7 @@ from stabilize.monitors import (
     SpikeDetector,
 )
 from stabilize.monitors.activations import resolve_line
-from stabilize.monitors.forecast import LineForecaster
+from stabilize.monitors.forecast import ForecastConfig, LineForecaster
 from stabilize.monitors.logits import AttnEntropyMonitor, AttnLogitMonitor, LogZMonitor
 from stabilize.norms import NormConfig
 from stabilize.rollback import REMEDIES
@@ -83,7 +83,7 @@ def test_built_with_no_arguments_is_built_from_the_composed_config(users, tmp_pa
     # the activation monitor: what a run fills in (the line, the activation dtype) aside
     fp16 = compose_run(tmp_path, ["experiment=nan_repro"]).monitor.activation
     assert dataclasses.replace(fp16, line="auto", activation_dtype="fp32") == ActivationConfig()
-    assert state(ActivationMonitor().forecaster) == state(LineForecaster(fp16))
+    assert state(ActivationMonitor().forecaster) == state(LineForecaster(fp16.forecast))
     assert vars(ActivationMonitor()).keys() == vars(ActivationMonitor(fp16)).keys()
     same = {"c", "meaning"}  # meaning: the same words for fp16_square, whatever the dtype
     assert {k: state(v) for k, v in vars(ActivationMonitor()).items() if k not in same} == {
@@ -94,7 +94,7 @@ def test_built_with_no_arguments_is_built_from_the_composed_config(users, tmp_pa
 
 def test_the_forecaster_and_the_spike_detectors_are_the_ones_users_run(users):
     c = users.monitor
-    assert state(LineForecaster(c.activation)) == state(LineForecaster(ActivationConfig()))
+    assert state(LineForecaster(c.activation.forecast)) == state(LineForecaster(ForecastConfig()))
     for section, cls in ((c.grad_spike, GradSpikeConfig), (c.loss_spike, LossSpikeConfig)):
         assert section == cls()
         assert state(SpikeDetector(section)) == state(SpikeDetector(cls()))

@@ -11,10 +11,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from benchmarks.forecast_score import RunScore, first_crossings, row_metrics
 from stabilize.monitors import ActivationConfig, ActivationMonitor, StepStats
 from stabilize.monitors.activations import resolve_line
-from stabilize.monitors.forecast import LineForecaster, first_significant
-from stabilize.monitors.forecast_score import RunScore, first_crossings, row_metrics
+from stabilize.monitors.forecast import ForecastConfig, LineForecaster, first_significant
 
 from conftest import compose_run
 
@@ -33,8 +33,10 @@ def users() -> ActivationConfig:
 
 
 def monitor(**changes) -> ActivationMonitor:
-    """The monitor users run (``users()``), with exactly the changes a test names."""
-    return ActivationMonitor(replace(users(), **changes))
+    """The monitor users run (``users()``), with exactly the changes a test names to its
+    forecast (``monitor.activation.forecast``)."""
+    c = users()
+    return ActivationMonitor(replace(c, forecast=replace(c.forecast, **changes)))
 
 
 def series(n, start, rate, noise, seed=0, plateau=None):
@@ -138,7 +140,7 @@ def test_a_wandering_rate_needs_more_margin_by_hand():
 
 
 def test_no_crossing_needs_more_climb_than_the_layer_has_made():
-    """``forecast_climb``: a layer that rose x2.7 (1 in log) from its lowest point, now at
+    """``forecast.climb``: a layer that rose x2.7 (1 in log) from its lowest point, now at
     e^-2 of the line and climbing steadily, needs 2 more: not warned at climb 1, warned at 2
     (and with the rule off). Later, once it has climbed more than what is left, it is."""
     t = np.arange(1, 31, dtype=np.float64)
@@ -146,7 +148,7 @@ def test_no_crossing_needs_more_climb_than_the_layer_has_made():
     v = np.exp(y) * 256.0
 
     def first(climb):
-        f = LineForecaster(replace(users(), forecast_climb=climb))
+        f = LineForecaster(replace(users().forecast, climb=climb))
         for i, x in enumerate(v):
             p = f.update({("h.0", "abs"): (float(x), 256.0)})
             if p and p[("h.0", "abs")].significant:
@@ -171,13 +173,13 @@ def first_warning(v, **kw):
 
 def test_the_warning_leads_with_the_slowed_distance_and_a_confirmed_warning_comes_later():
     """The warning leads with (its value is) the slowed distance, N x (1 + s / step) with
-    s = ``forecast_slow_steps``, and gives the projection at this rate second;
-    ``forecast_confirm`` = k warns k - 1 steps after k = 1 on a steady climb (each with
-    ``forecast_within`` off: it would hold the two distances' warnings apart)."""
+    s = ``forecast.slow_steps``, and gives the projection at this rate second;
+    ``forecast.confirm`` = k warns k - 1 steps after k = 1 on a steady climb (each with
+    ``forecast.within`` off: it would hold the two distances' warnings apart)."""
     v = series(60, 2.0, 1.15, 0.03, 1)
 
-    plain = first_warning(v, forecast_slow_steps=0.0, forecast_within=0.0)
-    scaled = first_warning(v, forecast_slow_steps=6.0, forecast_within=0.0)
+    plain = first_warning(v, slow_steps=0.0, within=0.0)
+    scaled = first_warning(v, slow_steps=6.0, within=0.0)
     rate = plain.extra["at_this_rate"]
     assert plain.step == scaled.step and scaled.extra["at_this_rate"] == rate
     k = 1 + 6.0 / scaled.step  # by hand: the step the warning came at
@@ -188,18 +190,18 @@ def test_the_warning_leads_with_the_slowed_distance_and_a_confirmed_warning_come
     )
     # a steady climb: the projection at this rate is the calibrated one, in float64
     assert 0.8 <= rate / (crossing(v, 256.0) - plain.step) <= 1.25
-    assert first_warning(v, forecast_confirm=3, forecast_within=0.0).step == plain.step + 2
+    assert first_warning(v, confirm=3, within=0.0).step == plain.step + 2
 
 
 def test_forecast_within_holds_a_far_warning_until_it_leads_with_that_many_steps():
-    """``forecast_within`` = W: no warning whose slowed distance exceeds W; on a steady climb
+    """``forecast.within`` = W: no warning whose slowed distance exceeds W; on a steady climb
     the layer is warned later, when its distance has come within W, still ahead of the
     crossing (float64 truth: the series itself)."""
     v = series(60, 2.0, 1.15, 0.03, 1)
 
-    free = first_warning(v, forecast_within=0.0)
+    free = first_warning(v, within=0.0)
     assert free.value > 20  # with the rule off this climb is warned further out than 20
-    held = first_warning(v, forecast_within=10.0)
+    held = first_warning(v, within=10.0)
     assert held.value <= 10 and held.step > free.step
     assert crossing(v, 256.0) - held.step >= 5  # still a 5-step lead
     default = first_warning(v)  # the default holds it until 20 steps
@@ -248,15 +250,15 @@ def test_a_warning_whose_horizon_passed_is_given_again_when_the_crossing_nears()
 def test_an_older_checkpoints_warned_layers_stay_warned_until_their_approach_ends():
     """Before warnings expired, the state held the warned layers as a list: loaded, they stay
     warned on the same steady climb (x1.08/step: warned at step 34, crosses at 65), as they
-    did then (with ``forecast_within`` off, as then); the same state read as warned long ago
+    did then (with ``forecast.within`` off, as then); the same state read as warned long ago
     would warn again."""
     v = series(100, 2.0, 1.08, 0.03, 1)
-    mon = monitor(forecast_within=0.0)
+    mon = monitor(within=0.0)
     assert run_monitor(mon, abs_vals=v[:40])  # warned within the first 40 steps
     state = mon.state_dict()
 
     def resumed(warned):
-        m = monitor(forecast_within=0.0)
+        m = monitor(within=0.0)
         m.load_state_dict({**state, "forecast_warned": warned})
         return [e.step for i in range(40, 60) for e in m.update(
             StepStats(step=i + 1, loss=1.0, act_max={"h.1.ln_1": float(v[i])})
@@ -270,7 +272,7 @@ def test_a_steady_rate_equal_in_both_halves_but_for_rounding_is_not_damped():
     """A straight line in log space: the window's halves have the same slope up to float
     rounding, so the rate is steady (phi 1) and the central crossing is -level / slope by
     hand. A phi of 1 - 1e-16 made log(rest) / log(phi) noise (6.0 for 5.63 here)."""
-    f = LineForecaster(ActivationConfig())
+    f = LineForecaster(ForecastConfig())
     for k in range(8):
         p = f.update({("x", "abs"): (0.3 * 1.1**k, 1.0)}).get(("x", "abs"))
     assert p.phi == 1.0
@@ -287,7 +289,7 @@ def test_forecast_speedup_projects_a_rate_that_sped_up_at_its_recent_value_by_ha
     y += [y[-1] + 0.2 * (k + 1) for k in range(4)]
 
     def last(speedup: float):
-        f = LineForecaster(ActivationConfig(forecast_speedup=speedup))
+        f = LineForecaster(ForecastConfig(speedup=speedup))
         for x in y:
             p = f.update({("x", "abs"): (math.exp(x), 1.0)}).get(("x", "abs"))
         return p
@@ -297,13 +299,13 @@ def test_forecast_speedup_projects_a_rate_that_sped_up_at_its_recent_value_by_ha
     assert high.slope == off.slope and on.left < off.left
     from stabilize.validate import ConfigError
 
-    with pytest.raises(ConfigError, match=r"monitor\.activation\.forecast_speedup=-1"):
-        ActivationConfig(forecast_speedup=-1)
+    with pytest.raises(ConfigError, match=r"monitor\.activation\.forecast\.speedup=-1"):
+        ActivationConfig(forecast={"speedup": -1})
 
 
 def test_forecaster_state_round_trips_mid_series():
     v = series(30, 2.0, 1.2, 0.03)
-    a, b = LineForecaster(users()), LineForecaster(users())
+    a, b = LineForecaster(users().forecast), LineForecaster(users().forecast)
     for x in v[:15]:
         a.update({("h.0", "abs"): (float(x), 256.0)})
     b.load_state_dict(a.state_dict())
@@ -372,3 +374,26 @@ def test_a_natural_crossing_in_a_real_run_is_warned_ahead(tmp_path):
     }  # fmt: skip
     ahead = {k: c - warned[k] for k, c in crossed.items() if k in warned}
     assert ahead and max(ahead.values()) >= 5, (crossed, warned)
+
+
+def test_a_saved_config_with_the_flat_forecast_keys_still_loads():
+    """Before the forecast had its own section (``monitor.activation.forecast``) its settings
+    sat flat in ``monitor.activation`` (``horizon``, ``window``, ``noise_window``,
+    ``forecast_z``, ...): a bundle's or run dir's config that holds them loads
+    (``RunConfig.from_saved``) with the same values nested; a new config does not take them."""
+    from stabilize.monitors.forecast import FLAT_KEYS
+    from stabilize.run.config import RunConfig
+    from stabilize.validate import ConfigError
+
+    old = {"horizon": 15, "window": 6, "noise_window": 16, "forecast_start": 5,
+           "forecast_z": 2.5, "forecast_reach": 1.5, "forecast_climb": 0.0,
+           "forecast_damped": False, "forecast_speedup": 1.5, "forecast_slow_steps": 3.0,
+           "forecast_confirm": 2, "forecast_within": 0.0, "forecast_rate_noise": 0.3}  # fmt: skip
+    assert set(old) == set(FLAT_KEYS)  # every key the forecast ever had flat
+    saved = {"monitor": {"activation": {"threshold": 128.0, **old}}}
+    act = RunConfig.from_saved(saved).monitor.activation
+    assert act.threshold == 128.0
+    assert act.forecast == ForecastConfig(**{FLAT_KEYS[k]: v for k, v in old.items()})
+    assert act.forecast != ForecastConfig()  # every value was taken, none defaulted
+    with pytest.raises(ConfigError, match=r"monitor\.activation\.forecast_climb is not a known"):
+        RunConfig.from_dict(saved)

@@ -1,4 +1,4 @@
-"""stabilize/bench/forecast_tables.py's noise line and near misses on synthetic runs whose kind is
+"""benchmarks/forecast_tables.py's noise line and near misses on synthetic runs whose kind is
 known by construction: a random walk's segments read as its simulated reference, independent
 noise as its own, and a warning is a near miss exactly when its layer rose past half its line
 within the horizon (by hand)."""
@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 
-from stabilize.bench.forecast_tables import near_warnings, noise_growth, recall_by_step  # noqa: E402
+from benchmarks.forecast_tables import near_warnings, noise_growth, recall_by_step  # noqa: E402
 
 
 def _run(logs: list[np.ndarray]) -> dict:
@@ -61,7 +61,7 @@ def test_a_near_miss_is_a_rise_past_half_the_line_within_the_horizon_by_hand():
 def test_recall_by_step_splits_early_crossings_from_later_ones_by_hand():
     """Crossings at steps first+5 .. first+8 and later ones, counted apart: three runs whose
     crossings and warnings are set by hand (first forecast at step 4, so 9-12 is early)."""
-    from stabilize.monitors.forecast_score import RunScore
+    from benchmarks.forecast_score import RunScore
 
     a = RunScore("a", "natural", 40, {"x": 9, "y": 20}, [("x", 4), ("y", 10)], 40, first=4)
     b = RunScore("b", "natural", 40, {"x": 12, "y": 30}, [("x", 9), ("y", 29)], 40, first=4)
@@ -76,7 +76,7 @@ def test_recall_by_step_splits_early_crossings_from_later_ones_by_hand():
 
 def test_a_healthy_labelled_run_that_crossed_is_scored_as_natural():
     """Only a run labelled healthy whose truth crossed a line moves; the input is not changed."""
-    from stabilize.bench.forecast_tables import relabel_crossed
+    from benchmarks.forecast_tables import relabel_crossed
 
     runs = [{"name": "h0", "group": "healthy"}, {"name": "h1", "group": "healthy"},
             {"name": "n0", "group": "natural"}]  # fmt: skip
@@ -90,8 +90,8 @@ def test_missed_crossings_show_the_value_five_and_ten_steps_before_by_hand():
     exp(-2) of its line, then jumps past it at step 30 and is warned 2 ahead; h.2 doubles
     from step 20 to 25 and crosses at 30, never warned: the table lists h.1 and h.2 with the
     values by hand, and counts h.1 as flat."""
-    from stabilize.bench.forecast_tables import missed
-    from stabilize.monitors.forecast_score import RunScore
+    from benchmarks.forecast_score import RunScore
+    from benchmarks.forecast_tables import missed
 
     t = np.arange(40, dtype=np.float64)
     h0 = -2.0 + (t - 1) * 2.0 / 30  # past the line (> 0) from t = 32: step 33

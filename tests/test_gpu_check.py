@@ -26,9 +26,9 @@ def test_script_parses_and_prints_help():
 
 
 def test_the_cost_stage_configs_compose_for_both_benchmarks(tmp_path):
-    """Stage 4 (``--cost``) runs bench_interleaved.py and bench_monitors.py on stabilize.bench.lib's
+    """Stage 4 (``--cost``) runs bench_interleaved.py and bench_monitors.py on benchmarks.lib's
     gpt-125m config in bf16-mixed: both compose into that run here (no GPU needed)."""
-    from stabilize.bench.lib import CONFIGS, compose_cfg, run_overrides
+    from benchmarks.lib import CONFIGS, compose_cfg, run_overrides
 
     text = SCRIPT.read_text()
     assert "--configs gpt-125m --precision bf16-mixed" in text

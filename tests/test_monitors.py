@@ -14,6 +14,7 @@ from stabilize.monitors import (
     WARN,
     ActivationConfig,
     ActivationMonitor,
+    ForecastConfig,
     GradSpikeConfig,
     LossScaleConfig,
     LossScaleMonitor,
@@ -194,7 +195,7 @@ def test_activation_warns_once_per_crossing_of_256():
 
 
 def test_forecast_of_a_geometric_drift_matches_the_hand_computed_crossing():
-    m = ActivationMonitor(replace(ActivationConfig(), horizon=30, window=32))
+    m = ActivationMonitor(ActivationConfig(forecast=ForecastConfig(horizon=30, window=32)))
     rng = np.random.default_rng(1)
     growth = 1.05
     warned_at = None

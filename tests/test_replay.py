@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from stabilize.bench.drills import DRILL_MONITORS
+from benchmarks.drills import DRILL_MONITORS
 from stabilize.replay import replay
 from stabilize.train import run
 
@@ -98,11 +98,14 @@ def test_a_step_that_does_not_fail_has_no_sequence_to_bisect(spiked):
 
 
 def test_a_bundle_of_an_older_version_replays_without_its_retired_settings(spiked, tmp_path):
-    """A bundle whose config still holds a setting this version retired (``forecast_slowing``,
-    now ``forecast_slow_steps``) replays: the retired key is dropped, the step is the same
-    bit for bit. Any other unknown key is still refused."""
+    """A bundle of an older version replays: its config's retired setting
+    (``forecast_slowing``, now ``forecast.slow_steps``) is dropped and its flat forecast keys
+    (``monitor.activation.horizon``, ``forecast_z``, ...: before the forecast had its own
+    section) are read as ``monitor.activation.forecast``'s; the step is the same bit for bit.
+    Any other unknown key is still refused."""
     import shutil
 
+    from stabilize.monitors.forecast import FLAT_KEYS
     from stabilize.run.config import RunConfig
     from stabilize.stability.bundle import sha256
     from stabilize.validate import ConfigError
@@ -111,8 +114,10 @@ def test_a_bundle_of_an_older_version_replays_without_its_retired_settings(spike
     shutil.copytree(spiked, old)
     meta = json.loads((old / "meta.json").read_text())
     act = meta["config"]["monitor"]["activation"]
-    act["forecast_slowing"] = 1.8  # what the previous version wrote
-    del act["forecast_slow_steps"]
+    nested = act.pop("forecast")
+    # what the previous versions wrote: the forecast's settings flat, and a retired one
+    act.update({old: nested[new] for old, new in FLAT_KEYS.items() if new != "slow_steps"})
+    act["forecast_slowing"] = 1.8
     (old / "meta.json").write_text(json.dumps(meta))
     man = json.loads((old / "manifest.json").read_text())
     f = old / "meta.json"

@@ -105,8 +105,8 @@ def test_toggle_estimators_recover_a_planted_cost():
     """monitor_toggle's two estimators on synthetic clocks: 100 ms steps, +1 ms on every
     step of an on block and +9 ms once per on block (a log step), a drift of the machine
     (+0.01 ms per step) and one 80 ms stall in an off block. Expected: (1 + 0.9) / 100."""
-    from stabilize.bench.stats import ABBA, BLOCK, position_overhead, quad_overheads
-    from stabilize.bench.stats import block_means as _block_means
+    from benchmarks.stats import ABBA, BLOCK, position_overhead, quad_overheads
+    from benchmarks.stats import block_means as _block_means
 
     warmup, n_blocks = 10, 16
     on = {b: ABBA[b % 4] for b in range(n_blocks)}

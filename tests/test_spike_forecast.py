@@ -1,5 +1,5 @@
 """The spike forecast (monitor.curvature.forecast) and its scoring, against hand calculations
-(docs/forecast.md's spike table; stabilize/bench/spike_eval.py)."""
+(docs/forecast.md's spike table; benchmarks/spike_eval.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from stabilize.bench import spike_eval as S
+from benchmarks import spike_eval as S
 from stabilize.monitors.curvature import CurvatureConfig, CurvatureMonitor
 from stabilize.monitors.events import StepStats
 from stabilize.monitors.spikes import LossSpikeConfig

@@ -1,9 +1,9 @@
-"""What a spike warning can reach (stabilize/bench/spike_reach.py): threshold rules, the
+"""What a spike warning can reach (benchmarks/spike_reach.py): threshold rules, the
 chance level and their scoring, against hand calculations on recorded-run dicts."""
 
 from __future__ import annotations
 
-from stabilize.bench import spike_reach as R
+from benchmarks import spike_reach as R
 from tests.test_spike_forecast import recorded, run_dict
 
 

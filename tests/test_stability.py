@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from stabilize.bench.drills import DRILL_MONITORS
+from benchmarks.drills import DRILL_MONITORS
 from stabilize.rollback import load_durable
 from stabilize.rollback.state import TrainState
 from stabilize.stability import StabilityAbort
@@ -198,8 +198,8 @@ def test_activation_drift_reaches_its_target_on_time_and_is_warned_before(tmp_pa
                 "fault.target=2000",
                 "fault.target_step=26",
                 "rollback=off",
-                "monitor.activation.horizon=15",
-                "monitor.activation.window=8",
+                "monitor.activation.forecast.horizon=15",
+                "monitor.activation.forecast.window=8",
                 "monitor.activation.line=fp16_square",  # fp32: the forecast runs when asked
             ],
         )
@@ -440,7 +440,7 @@ def test_default_monitor_config_reaches_the_monitors(tmp_path):
     act = suite.monitors["activation"]
     assert (act.horizon, act.forecaster.window, act.forecaster.z) == (40, 8, 3.0)
     cfg2 = compose_run(
-        tmp_path, ["monitor.activation.forecast_z=2.5", "monitor.grad_spike.action=rollback"]
+        tmp_path, ["monitor.activation.forecast.z=2.5", "monitor.grad_spike.action=rollback"]
     )
     suite2 = MonitorSuite(cfg2.monitor)
     assert suite2.monitors["activation"].forecaster.z == 2.5

@@ -110,6 +110,17 @@ def test_the_wheel_carries_every_config(venv):
     assert "stabilize/csrc/cpu_kernels.cpp" in names  # the fused CPU kernel's source
 
 
+def test_the_wheel_installs_no_benchmark_or_research_module(venv):
+    """benchmarks/ (the benchmark scripts' and evaluations' libraries) stays in the checkout:
+    no file of the wheel is one of its modules, under any package."""
+    names = zipfile.ZipFile(venv.wheel).namelist()
+    research = {p.name for p in (REPO / "benchmarks").glob("*.py")} - {"__init__.py"}
+    assert {"lib.py", "forecast_score.py", "spike_eval.py"} <= research
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"stabilize", *(t for t in tops if t.endswith(".dist-info"))}, tops
+    assert not [n for n in names if n.rpartition("/")[2] in research or "/bench/" in n]
+
+
 def test_the_installed_package_is_the_venvs(venv):
     # find_spec locates without running the modules (seconds of torch and Lightning imports)
     probe = (

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from stabilize.compat import scaler_scale, uncount_batch
-from stabilize.data import bits_per_byte, build_dataloaders, share_skips
 from stabilize.lit.fsdp import full_norm, shard_model
 from stabilize.lit.grad_reduce import fsdp_policy
+from stabilize.lit.loaders import LoaderMixin
 from stabilize.lit.optim_state import MasterWeights, round_moments_to_bf16
 from stabilize.lit.saved_state import restore_state, saved_state
 from stabilize.model import build_model, set_activation_checkpointing
@@ -81,7 +81,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
-class GPTLitModule(L.LightningModule):
+class GPTLitModule(LoaderMixin, L.LightningModule):
     def __init__(self, cfg: RunConfig):
         super().__init__()
         self.cfg = cfg
@@ -93,7 +93,7 @@ class GPTLitModule(L.LightningModule):
         self.grad_norm: torch.Tensor | None = None  # last pre-clip total norm, on device
         self.master: MasterWeights | None = None  # optim.master_dtype=fp32 (configure_optimizers)
         self._saved_master: dict[str, torch.Tensor] = {}  # from a checkpoint, by name
-        self._loader_cache = None
+        self._loader_cache = None  # (data step, (train, val) loaders): lit/loaders.py
         self._loss: torch.Tensor | None = None  # last micro-batch loss, logged on log steps
         self._batch_step: int | None = None  # the data step the incoming batch was drawn for
         self.stale_batch = False  # set per batch in on_before_batch_transfer
@@ -119,54 +119,6 @@ class GPTLitModule(L.LightningModule):
             shard_model(self.model, mesh["data_parallel"], policy)
             self._sharded = True
 
-    # ---- data ---------------------------------------------------------------------------
-    def _loaders(self):
-        """Both loaders, built once per data position (the corpus is tokenized once)."""
-        if self._loader_cache is not None and self._loader_cache[0] == self.train_state.data_step:
-            return self._loader_cache[1]
-        t = self.trainer
-        loaders = build_dataloaders(
-            self.cfg.data,
-            self.cfg.model.block_size,
-            rank=t.global_rank,
-            world_size=t.world_size,
-            start_step=self.train_state.data_step,
-            num_steps=None,  # unbounded: rollbacks and data skips need more than max_steps
-            val_batches=self.cfg.trainer.limit_val_batches,
-            tagged=True,
-        )
-        ts = self.train_state
-        share_skips(loaders[0], ts.skipped, ts.skipped_items)  # the same sets: later skips too
-        self._loader_cache = (self.train_state.data_step, loaders)
-        return loaders
-
-    def train_dataloader(self):
-        return self._loaders()[0]
-
-    def seek_data(self, data_step: int) -> None:
-        """Make the train loader continue from ``data_step`` (after a rollback or skip)."""
-        self.train_state.data_step = self.train_state.next_position(data_step)
-        self._loader_cache[1][0].batch_sampler.seek(self.train_state.data_step)
-
-    def train_sampler(self):
-        """The trainer's own train batch sampler (``StepSampler``: positions -> items)."""
-        return self._loader_cache[1][0].batch_sampler
-
-    def other_batches(self, positions: list[int]) -> tuple[list, list[int]]:
-        """The micro-batches at the data positions after ``positions`` (as many, skipped
-        ones passed over), and those positions: a re-run's other batches (host.py)."""
-        nxt, p = [], positions[-1] + 1
-        while len(nxt) < len(positions):
-            p = self.train_state.next_position(p)
-            nxt.append(p)
-            p += 1
-        return [self.batch_at(q) for q in nxt], nxt
-
-    def train_dataset(self):
-        """The training blocks, untagged (a fault on content reads them)."""
-        data = self.train_dataloader().dataset  # the trainer's (cached) loader's
-        return getattr(data, "dataset", data)
-
     # ---- the rest of the stability core's Host protocol (stability/host.py) ---------------
     @property
     def clip_norm(self) -> float:
@@ -182,29 +134,6 @@ class GPTLitModule(L.LightningModule):
     def host_info(self) -> dict[str, Any]:
         """Our GPT is rebuilt from the bundle's ``config`` (replay/core.py)."""
         return {"kind": "gpt"}
-
-    def batch_at(self, data_step: int):
-        """This rank's (x, y) micro-batch at data position ``data_step``, on the device (a
-        replay's other batch: the order is a pure function of the position)."""
-        loader = self._loader_cache[1][0]  # the trainer's (a rebuild would leave it behind)
-        sampler = loader.batch_sampler  # tagged items: (step, index)
-        items = [loader.dataset[(data_step, i)] for i in sampler.batch_for_step(data_step)]
-        x, y, _ = loader.collate_fn(items)
-        return x.to(self.device), y.to(self.device)
-
-    def val_dataloader(self):
-        return self._loaders()[1]
-
-    def held_out_batches(self, n: int) -> list:
-        """The first ``n`` validation batches, from the loaders the trainer already iterates
-        (never rebuilt here: a rebuild would leave the trainer's train iterator behind)."""
-        loaders = self._loader_cache[1] if self._loader_cache is not None else self._loaders()
-        out = []
-        for batch in loaders[1]:
-            if len(out) >= n:
-                break
-            out.append(batch)
-        return out
 
     # ---- steps ----------------------------------------------------------------------------
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -317,29 +246,6 @@ class GPTLitModule(L.LightningModule):
             lr_factor(self.train_state.model_step, o, self.cfg.trainer.max_steps)
             * self.lr_scale_now()
         )
-
-    def on_validation_epoch_start(self):
-        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-
-    def validation_step(self, batch, batch_idx):
-        loss = self.loss(batch, z_loss=False)
-        self.log("val/loss", loss, on_step=False, on_epoch=True, sync_dist=True)
-        # Bits per byte for any tokenizer: nats summed over the targets, over the UTF-8 bytes
-        # of text behind them, both summed over batches and ranks before dividing.
-        y = batch[1]
-        nbytes = self._loader_cache[1][1].dataset.token_bytes
-        nbytes = y.numel() if nbytes is None else nbytes.to(y.device)[y].sum()
-        self._val_sums += torch.stack(
-            [
-                loss.detach().double() * y.numel(),
-                torch.as_tensor(nbytes, dtype=torch.float64, device=self.device),
-            ]
-        )
-
-    def on_validation_epoch_end(self):
-        nats, nbytes = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum").tolist()
-        if nbytes > 0:
-            self.log("val/bpb", bits_per_byte(nats, nbytes), on_step=False, on_epoch=True)
 
     def configure_gradient_clipping(
         self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None

@@ -144,9 +144,7 @@ class GPTConfig:
     def _check_hf(self) -> None:
         """``model.hf``: its keys, and what a Hugging Face architecture cannot honour."""
         self.hf = build_dataclass(HFConfig, self.hf, "model.hf")
-        from stabilize.model.hf_arch import check_weights, hf_config_keys
-
-        ours = set(hf_config_keys(self))
+        ours = set(hf_config_values(self))
         for key in self.hf.config:
             if key in ours:
                 raise ValueError(
@@ -154,8 +152,6 @@ class GPTConfig:
                     "vocab_size, block_size, n_layer, d_model, n_head, mlp_ratio, dropout, "
                     f"init_std, norm.eps); allowed: any other key of the {self.hf.arch} config"
                 )
-        if self.hf.weights is not None:
-            check_weights(self)
         n = self.norm
         if self.hf.arch == "gpt2" and self.hf.norm_type == "group":
             from stabilize.norms.registry import get_norm_type
@@ -189,3 +185,35 @@ class GPTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def hf_config_values(cfg: GPTConfig) -> dict[str, Any]:
+    """The Hugging Face config keys our ``model`` keys set, per arch, with their values
+    (hf_arch.py builds the architecture from them; ``model.hf.config`` may not set them)."""
+    if cfg.hf.arch == "llama":
+        return {
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model,
+            "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head,
+            "max_position_embeddings": cfg.block_size,
+            # SwiGLU's three matrices at a 4x MLP's parameter count
+            "intermediate_size": cfg.mlp_ratio * cfg.d_model * 2 // 3,
+            "attention_dropout": cfg.dropout,
+            "initializer_range": cfg.init_std,
+            "rms_norm_eps": cfg.norm.eps,
+        }
+    return {
+        "vocab_size": cfg.vocab_size,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_positions": cfg.block_size,
+        "n_inner": cfg.mlp_ratio * cfg.d_model,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "initializer_range": cfg.init_std,
+        "layer_norm_epsilon": cfg.norm.eps,
+        "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+    }

@@ -18,49 +18,11 @@ each token's log Z), ``num_params``. Module paths stay Hugging Face's
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from stabilize.model.config import GPTConfig
+from stabilize.model.config import GPTConfig, hf_config_values
 from stabilize.model.logits import LogitSoftcap
-
-
-def _ours(cfg: GPTConfig) -> dict[str, Any]:
-    """The Hugging Face config keys our ``model`` keys set, per arch."""
-    if cfg.hf.arch == "llama":
-        return {
-            "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model,
-            "num_hidden_layers": cfg.n_layer,
-            "num_attention_heads": cfg.n_head,
-            "max_position_embeddings": cfg.block_size,
-            # SwiGLU's three matrices at a 4x MLP's parameter count
-            "intermediate_size": cfg.mlp_ratio * cfg.d_model * 2 // 3,
-            "attention_dropout": cfg.dropout,
-            "initializer_range": cfg.init_std,
-            "rms_norm_eps": cfg.norm.eps,
-        }
-    return {
-        "vocab_size": cfg.vocab_size,
-        "n_embd": cfg.d_model,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_positions": cfg.block_size,
-        "n_inner": cfg.mlp_ratio * cfg.d_model,
-        "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout,
-        "attn_pdrop": cfg.dropout,
-        "initializer_range": cfg.init_std,
-        "layer_norm_epsilon": cfg.norm.eps,
-        "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
-    }
-
-
-def hf_config_keys(cfg: GPTConfig) -> list[str]:
-    """What ``model.hf.config`` may not set: the keys our own ``model`` keys set."""
-    return sorted(_ours(cfg))
 
 
 def _classes(arch: str):
@@ -84,7 +46,7 @@ def build_hf(cfg: GPTConfig) -> nn.Module:
     if cfg.hf.weights is not None:
         model = _pretrained(cfg, model_cls)
     else:
-        hf_cfg = config_cls(**_ours(cfg), **cfg.hf.config, attn_implementation="sdpa")
+        hf_cfg = config_cls(**hf_config_values(cfg), **cfg.hf.config, attn_implementation="sdpa")
         model = _causal_lm(model_cls)(hf_cfg)
     model.cfg = cfg
     model.z_loss = cfg.z_loss
@@ -110,7 +72,7 @@ def check_weights(cfg: GPTConfig) -> None:
             "allowed: a directory written by save_pretrained"
         )
     saved = config_cls.from_pretrained(str(path), local_files_only=True)
-    for key, value in {**_ours(cfg), **cfg.hf.config}.items():
+    for key, value in {**hf_config_values(cfg), **cfg.hf.config}.items():
         have = getattr(saved, key, None)
         if have == value or key.endswith(("dropout", "pdrop")) or key == "initializer_range":
             continue
@@ -123,7 +85,7 @@ def check_weights(cfg: GPTConfig) -> None:
 
 def _pretrained(cfg: GPTConfig, model_cls) -> nn.Module:
     """The weights of ``model.hf.weights`` (checked by ``check_weights``), the run's dropout."""
-    drop = {k: v for k, v in _ours(cfg).items() if k.endswith(("dropout", "pdrop"))}
+    drop = {k: v for k, v in hf_config_values(cfg).items() if k.endswith(("dropout", "pdrop"))}
     return _causal_lm(model_cls).from_pretrained(
         str(cfg.hf.weights), local_files_only=True, attn_implementation="sdpa", **drop
     )

@@ -20,6 +20,7 @@ from stabilize.monitors.events import (
     StepStats,
     verdict,
 )
+from stabilize.monitors.forecast import ForecastConfig
 from stabilize.monitors.health import (
     LossScaleConfig,
     LossScaleMonitor,
@@ -48,6 +49,7 @@ __all__ = [
     "ActivationConfig",
     "ActivationMonitor",
     "Event",
+    "ForecastConfig",
     "GradSpikeConfig",
     "LossScaleConfig",
     "LossScaleMonitor",

@@ -21,14 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from stabilize.monitors.events import INFO, ROLLBACK, WARN, Event, StepStats
-from stabilize.monitors.forecast import LineForecaster, Projection, theil_sen_slope  # noqa: F401
+from stabilize.monitors.forecast import (  # noqa: F401
+    ForecastConfig,
+    LineForecaster,
+    Projection,
+    nest_forecast_keys,
+    theil_sen_slope,
+)
 from stabilize.numerics import DANGER_LINE, sum_of_squares_rms_limit
-from stabilize.validate import check_choice, check_positive, check_range
+from stabilize.validate import build_dataclass, check_choice, check_positive
 
 LINES = ("auto", "fp16_square", "info", "off")
 ACT_DTYPES = ("fp32", "bf16", "fp16")
@@ -44,50 +50,10 @@ class ActivationConfig:
     """Run this monitor."""
     threshold: float = DANGER_LINE
     """The |x| max line: 256, the fp16 square-overflow line (256^2 > 65504 = fp16 max)."""
-    horizon: int = 40
-    """Forecast warning: a crossing significant within this many steps (stabilize/monitors/
-    forecast.py: both lines, |x| max vs ``threshold`` and row RMS vs 255.94/sqrt(D))."""
-    window: int = 8
-    """Steps in the forecast's robust (Theil-Sen) fit, refitted every step."""
-    forecast_start: int = 4
-    """Points a layer needs before its first forecast."""
-    forecast_z: float = 3.0
-    """How many of the layer's own noise sigmas (learned from its step-to-step increments)
-    the projected crossing must clear to be warned."""
-    noise_window: int = 32
-    """Steps of increments the noise sigma is learned over."""
-    forecast_reach: float = 2.0
-    """Warn no further ahead than this many times the steps a layer has been seen."""
-    forecast_climb: float = 1.0
-    """Warn only of a crossing that needs no more rise (in log) than this many times what the
-    layer has risen since its lowest point (0: off): early training's first rise mostly
-    levels off."""
-    forecast_damped: bool = True
-    """Project a slowing rate as slowing (a damped trend: the recent half-window's rate
-    against the older half's), so early training's levelling-off is not extrapolated."""
-    forecast_speedup: float = 0.0
-    """Project a rate that has sped up: where the recent half-window's slope is more than
-    this many times the older half's (or the older half fell), the recent one is used (0:
-    off: the smaller of the window's slope and the recent half's, as early training's first
-    rise mostly levels off). Not a default: docs/forecast.md has its trade-off."""
-    forecast_slow_steps: float = 6.0
-    """The warning gives two distances: ~N x (1 + this / step), as natural growth slows (the
-    one it leads with, the event's value), and ~N steps at the current rate (the projection):
-    early in training it slows with the step (on the eval's natural runs the real distance
-    was 2.0x the projection's for warnings up to step 8, 1.4x at steps 9-20, 1.2x later),
-    and 6 is the value that calibrates the core set's (5.8; docs/forecast.md). A steady
-    drift arrives at ~N. It changes no decision (0: the two are the same)."""
-    forecast_confirm: int = 1
-    """Steps in a row a crossing must be significant before it is warned."""
-    forecast_within: float = 20.0
-    """Warn only when the distance the warning leads with (the slowed one) is at most this
-    many steps (0: any within ``horizon``): far projections of early growth mostly level
-    off before the line. Chosen at 20 on holdout3 and scored on holdout4, recorded before
-    it; the default since the 141-run set was scored with it (docs/forecast.md)."""
-    forecast_rate_noise: float = 0.0
-    """How much of the rate's own step-to-step drift the pessimistic path allows for (0: off,
-    the rate is known up to its fit's error; 1: a rate that wandered by tau a step may
-    wander as much ahead, ~tau h^1.5 in h steps). docs/forecast.md has the trade-off."""
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    """When a layer will cross the line (``monitor.activation.forecast``: monitors/forecast.py);
+    a saved config's flat keys (``horizon``, ``forecast_z``, ...) load through
+    ``nest_forecast_keys``."""
     on_overflow: str = "warn"
     """warn | rollback, when a norm's reduction overflows."""
     line: str = "auto"
@@ -102,19 +68,9 @@ class ActivationConfig:
     info message (fp16 activations overflow at 65504)."""
 
     def __post_init__(self):
+        key = "monitor.activation.forecast"
+        self.forecast = build_dataclass(ForecastConfig, self.forecast, key)
         check_positive("monitor.activation.threshold", self.threshold)
-        check_positive("monitor.activation.horizon", self.horizon, integer=True)
-        check_positive("monitor.activation.window", self.window, integer=True)
-        check_positive("monitor.activation.forecast_start", self.forecast_start, integer=True)
-        check_positive("monitor.activation.forecast_z", self.forecast_z)
-        check_positive("monitor.activation.noise_window", self.noise_window, integer=True)
-        check_positive("monitor.activation.forecast_reach", self.forecast_reach)
-        check_range("monitor.activation.forecast_climb", self.forecast_climb, 0.0, 100.0)
-        check_range("monitor.activation.forecast_slow_steps", self.forecast_slow_steps, 0.0, 1e6)
-        check_range("monitor.activation.forecast_speedup", self.forecast_speedup, 0.0, 100.0)
-        check_positive("monitor.activation.forecast_confirm", self.forecast_confirm, integer=True)
-        check_range("monitor.activation.forecast_rate_noise", self.forecast_rate_noise, 0.0, 100.0)
-        check_range("monitor.activation.forecast_within", self.forecast_within, 0.0, 1e6)
         check_choice("monitor.activation.on_overflow", self.on_overflow, ("warn", "rollback"))
         check_choice("monitor.activation.line", self.line, LINES)
         check_choice("monitor.activation.activation_dtype", self.activation_dtype, ACT_DTYPES)
@@ -172,21 +128,21 @@ class ActivationMonitor:
         runs only where the line is a danger (``line=fp16_square``): with an fp32/bf16
         reduction nothing can overflow there, and it stays silent."""
         self.c = c = c or ActivationConfig()
-        self.threshold, self.horizon = c.threshold, c.horizon
+        self.threshold, self.horizon = c.threshold, c.forecast.horizon
         self.on_overflow = ROLLBACK if c.on_overflow == "rollback" else WARN
         # the crossing's severity and wording follow the run (resolve_line)
         self.line = "fp16_square" if c.line == "auto" else c.line
         self.line_kind = WARN if self.line == "fp16_square" else INFO
         self.meaning = line_meaning(self.line, c.activation_dtype)
-        self.forecaster = LineForecaster(c)
+        self.forecaster = LineForecaster(c.forecast)
         self.above: set[str] = set()  # layers currently past the line (warn once per crossing)
         self.forecast: dict[str, float] = {}  # layer -> steps left (inf: not rising)
         # layer -> the step it was warned at: once per approach, and again once that
         # warning's horizon has passed with no crossing (it has expired)
         self.forecast_warned: dict[str, int] = {}
         self._rms_line: dict[int, float] = {}  # D -> 255.94 / sqrt(D)
-        self.confirm, self.slow_steps = c.forecast_confirm, c.forecast_slow_steps
-        self.within = c.forecast_within
+        self.confirm, self.slow_steps = c.forecast.confirm, c.forecast.slow_steps
+        self.within = c.forecast.within
         self._streak: dict[str, int] = {}  # layer -> consecutive steps with a significant crossing
 
     def update(self, stats: StepStats) -> list[Event]:
@@ -310,7 +266,7 @@ class ActivationMonitor:
         what = "|x| max" if kind == "abs" else "largest row RMS"
         why = "an fp16 square overflows" if kind == "abs" else "the fp16 sum of squares overflows"
         # The distance the warning leads with (its value) is the calibrated one: natural
-        # growth slows with the step (forecast_slow_steps), so the projection at the current
+        # growth slows with the step (forecast.slow_steps), so the projection at the current
         # rate alone comes ~2x early in the first steps (docs/forecast.md). The projection is
         # still given: a steady drift arrives at it.
         slowed = self._slowed(p, step)

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from stabilize.monitors.events import WARN, Event, StepStats
-from stabilize.monitors.forecast import LineForecaster
+from stabilize.monitors.forecast import ForecastConfig, LineForecaster
 from stabilize.validate import ConfigError, check_count, check_positive, check_range
 
 # (quotient, its line, the unit's name, the line's name)
@@ -74,9 +74,7 @@ class CurvatureConfig:
 def _forecaster() -> LineForecaster:
     """The activation forecast's trend forecaster with its default settings (none of them
     chosen on curvature series: the spike table scores them as they are)."""
-    from stabilize.monitors.activations import ActivationConfig
-
-    return LineForecaster(ActivationConfig())
+    return LineForecaster(ForecastConfig())
 
 
 class CurvatureMonitor:

@@ -30,7 +30,7 @@ step (the values are already on the host; a few small numpy calls for all units 
   projection reaches at most twice as far as its data by default): the first points of a
   run rise fast and mostly level off (eval: every early false warning came at steps 4-7);
 - deceleration: the slope used is the smaller of the window's and its recent half's
-  (``forecast_speedup``, off by default: the recent half's where it is that many times the
+  (``speedup``, off by default: the recent half's where it is that many times the
   older half's), and
   (``damped``) the rate is projected to keep decaying as it did from the older half to the
   recent one (a damped trend), so early training's levelling-off is not extrapolated.
@@ -45,17 +45,105 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # activations.py imports this module: the config is only named here
-    from stabilize.monitors.activations import ActivationConfig
+from stabilize.validate import check_positive, check_range
 
 Unit = tuple[str, str]  # (layer, "abs" | "rms")
 _PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # W -> (i, j, j - i)
 _MAD = 1.4826  # MAD -> standard deviation for Gaussian noise
 MIN_SIGMA = 0.01  # the one-step noise is never taken below this (in log: a 1% fluctuation)
+
+
+@dataclass
+class ForecastConfig:
+    """``monitor.activation.forecast``: when a layer will cross its line (``LineForecaster``,
+    stabilize/monitors/forecast.py) and when that is warned (the activation monitor)."""
+
+    horizon: int = 40
+    """A crossing significant within this many steps is warned (both lines: |x| max vs
+    ``monitor.activation.threshold`` and row RMS vs 255.94/sqrt(D))."""
+    window: int = 8
+    """Steps in the robust (Theil-Sen) fit, refitted every step."""
+    start: int = 4
+    """Points a layer needs before its first forecast."""
+    z: float = 3.0
+    """How many of the layer's own noise sigmas (learned from its step-to-step increments)
+    the projected crossing must clear to be warned."""
+    noise_window: int = 32
+    """Steps of increments the noise sigma is learned over."""
+    reach: float = 2.0
+    """Warn no further ahead than this many times the steps a layer has been seen."""
+    climb: float = 1.0
+    """Warn only of a crossing that needs no more rise (in log) than this many times what the
+    layer has risen since its lowest point (0: off): early training's first rise mostly
+    levels off."""
+    damped: bool = True
+    """Project a slowing rate as slowing (a damped trend: the recent half-window's rate
+    against the older half's), so early training's levelling-off is not extrapolated."""
+    speedup: float = 0.0
+    """Project a rate that has sped up: where the recent half-window's slope is more than
+    this many times the older half's (or the older half fell), the recent one is used (0:
+    off: the smaller of the window's slope and the recent half's, as early training's first
+    rise mostly levels off). Not a default: docs/forecast.md has its trade-off."""
+    slow_steps: float = 6.0
+    """The warning gives two distances: ~N x (1 + this / step), as natural growth slows (the
+    one it leads with, the event's value), and ~N steps at the current rate (the projection):
+    early in training it slows with the step (on the eval's natural runs the real distance
+    was 2.0x the projection's for warnings up to step 8, 1.4x at steps 9-20, 1.2x later),
+    and 6 is the value that calibrates the core set's (5.8; docs/forecast.md). A steady
+    drift arrives at ~N. It changes no decision (0: the two are the same)."""
+    confirm: int = 1
+    """Steps in a row a crossing must be significant before it is warned."""
+    within: float = 20.0
+    """Warn only when the distance the warning leads with (the slowed one) is at most this
+    many steps (0: any within ``horizon``): far projections of early growth mostly level
+    off before the line. Chosen at 20 on holdout3 and scored on holdout4, recorded before
+    it; the default since the 141-run set was scored with it (docs/forecast.md)."""
+    rate_noise: float = 0.0
+    """How much of the rate's own step-to-step drift the pessimistic path allows for (0: off,
+    the rate is known up to its fit's error; 1: a rate that wandered by tau a step may
+    wander as much ahead, ~tau h^1.5 in h steps). docs/forecast.md has the trade-off."""
+
+    def __post_init__(self) -> None:
+        check_positive("monitor.activation.forecast.horizon", self.horizon, integer=True)
+        check_positive("monitor.activation.forecast.window", self.window, integer=True)
+        check_positive("monitor.activation.forecast.start", self.start, integer=True)
+        check_positive("monitor.activation.forecast.z", self.z)
+        check_positive("monitor.activation.forecast.noise_window", self.noise_window, integer=True)
+        check_positive("monitor.activation.forecast.reach", self.reach)
+        check_range("monitor.activation.forecast.climb", self.climb, 0.0, 100.0)
+        check_range("monitor.activation.forecast.slow_steps", self.slow_steps, 0.0, 1e6)
+        check_range("monitor.activation.forecast.speedup", self.speedup, 0.0, 100.0)
+        check_positive("monitor.activation.forecast.confirm", self.confirm, integer=True)
+        check_range("monitor.activation.forecast.rate_noise", self.rate_noise, 0.0, 100.0)
+        check_range("monitor.activation.forecast.within", self.within, 0.0, 1e6)
+
+
+# A saved config's flat ``monitor.activation`` keys (before the forecast had its own section)
+# -> their names in ``monitor.activation.forecast``.
+FLAT_KEYS = {
+    "horizon": "horizon",
+    "window": "window",
+    "noise_window": "noise_window",
+    **{f"forecast_{k}": k for k in ("start", "z", "reach", "climb", "damped", "speedup",
+                                     "slow_steps", "confirm", "within", "rate_noise")},
+}  # fmt: skip
+
+
+def nest_forecast_keys(section: dict) -> dict:
+    """A ``monitor.activation`` mapping with any flat forecast key (``FLAT_KEYS``: an older
+    bundle's or run dir's config) moved into its ``forecast`` section; a key set both ways
+    keeps the nested value."""
+    flat = {k: v for k, v in section.items() if k in FLAT_KEYS}
+    if not flat:
+        return section
+    out = {k: v for k, v in section.items() if k not in FLAT_KEYS}
+    nested = out.get("forecast")
+    nested = dict(nested) if isinstance(nested, dict) else {}
+    out["forecast"] = {**{FLAT_KEYS[k]: v for k, v in flat.items()}, **nested}
+    return out
 
 
 def theil_sen_slope(y: np.ndarray) -> np.ndarray:
@@ -160,16 +248,16 @@ class LineForecaster:
     """Per-unit history and learned noise; ``update`` once per step with every unit's
     (value, line); returns the units' projections."""
 
-    def __init__(self, c: ActivationConfig):
-        """Built from ``monitor.activation``'s forecast settings: ``horizon``, ``window``,
-        ``forecast_start`` (at least 3 and at most ``window`` points), ``forecast_z``,
-        ``noise_window``, ``forecast_damped``, ``forecast_reach``, ``forecast_rate_noise``,
-        ``forecast_climb`` and ``forecast_speedup``."""
-        self.horizon, self.window, self.z = c.horizon, c.window, c.forecast_z
-        self.damped, self.reach = c.forecast_damped, c.forecast_reach
-        self.rate_noise, self.climb = c.forecast_rate_noise, c.forecast_climb
-        self.speedup = c.forecast_speedup
-        self.min_points = max(3, min(c.forecast_start, c.window))
+    def __init__(self, c: ForecastConfig | None = None):
+        """Built from ``monitor.activation.forecast`` (None: its defaults): ``horizon``,
+        ``window``, ``start`` (at least 3 and at most ``window`` points), ``z``,
+        ``noise_window``, ``damped``, ``reach``, ``rate_noise``, ``climb`` and ``speedup``."""
+        c = c or ForecastConfig()
+        self.horizon, self.window, self.z = c.horizon, c.window, c.z
+        self.damped, self.reach = c.damped, c.reach
+        self.rate_noise, self.climb = c.rate_noise, c.climb
+        self.speedup = c.speedup
+        self.min_points = max(3, min(c.start, c.window))
         self.noise_window, self.min_sigma = c.noise_window, MIN_SIGMA
         self.hist: dict[Unit, deque[float]] = {}
         self.dev: dict[Unit, deque[float]] = {}  # |increment - slope| as each was seen

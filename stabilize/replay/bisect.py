@@ -22,6 +22,7 @@ from typing import Any
 from stabilize.replay.bundle_files import FOREIGN
 from stabilize.replay.core import fails, replay
 from stabilize.replay.rebuild import NO_CODE, CodeChoice, code_flags
+from stabilize.replay.step import recorded_batches, rows_of
 
 
 # ---- precision: the fewest norms in fp32 that clear the step --------------------------------
@@ -129,33 +130,6 @@ def minimize(cand: list, holds) -> list:
     return shrink(cand, frozenset())
 
 
-def rows_of(batch: Any) -> int:
-    """A batch's row count: its first tensor's leading dimension (0 without one)."""
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 0
-    if isinstance(batch, dict):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        return next((n for n in map(rows_of, batch) if n), 0)
-    return 0
-
-
-def take_rows(batch: Any, keep: list[int], n: int) -> Any:
-    """Rows ``keep`` of every tensor of ``batch`` with ``n`` rows (dicts, lists and tuples
-    kept as they are; other values as they are)."""
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return batch[keep] if batch.dim() and batch.shape[0] == n else batch
-    if isinstance(batch, dict):
-        return {k: take_rows(v, keep, n) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(take_rows(v, keep, n) for v in batch)
-    return batch
-
-
 def row_hash(batch: Any, j: int) -> str:
     """Row ``j``'s content hash in any batch layout: SHA-256 over each of its tensors' row
     (dtype, shape and bytes, in the batch's order), first 16 hex digits."""
@@ -179,11 +153,6 @@ def row_hash(batch: Any, j: int) -> str:
 
     walk(batch)
     return h.hexdigest()[:16]
-
-
-def recorded_batches(r: dict) -> list:
-    """A bundle rank record's micro-batches: (x, y) token ids, or as they came."""
-    return r.get("batches") or list(zip(r["x"], r["y"], strict=True))
 
 
 def data(bundle: Path, code: CodeChoice = NO_CODE) -> dict[str, Any]:

@@ -28,22 +28,13 @@ from typing import Any
 
 from stabilize.replay.bundle_files import FOREIGN, BadBundle, Bundle, open_bundle
 from stabilize.replay.rebuild import NO_CODE, CodeChoice
-
-TOLERANCE = 1e-4  # relative, where the comparison cannot be bitwise
+from stabilize.replay.step import TOLERANCE, recorded_batches, replay_step, select_rows
 
 
 def check(bundle: Path) -> dict[str, Any]:
     """The bundle's meta, once every file matches its manifest and the directory is closed
     (``bundle_files.open_bundle``); else ``BadBundle``."""
     return open_bundle(bundle).meta
-
-
-def _same(a: float | None, b: float | None, exact: bool) -> bool:
-    if a is None or b is None:
-        return a is b
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return (math.isnan(a) and math.isnan(b)) or a == b
-    return a == b if exact else abs(a - b) <= TOLERANCE * max(abs(a), abs(b), 1e-30)
 
 
 def replay(
@@ -68,7 +59,7 @@ def replay(
         model, step = _rebuilt(meta["host"], code)  # refused in one line before any import
         state, ranks = b.load("state.pt"), _ranks(b)
         return replay_module(model, step, meta, _state(b, state), ranks, fp32_sites,
-                             _select(rows))  # fmt: skip
+                             select_rows(rows))  # fmt: skip
     try:
         cfg = RunConfig.from_saved(meta["config"])  # a bundle of an older version too
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # ConfigError is a ValueError
@@ -98,8 +89,6 @@ def _state(b: Bundle, state: Any) -> dict[str, Any]:
 
 def _ranks(b: Bundle) -> list[dict]:
     """``batch.pt``'s rank records, each with its rank, data positions and micro-batches."""
-    from stabilize.replay.bisect import recorded_batches
-
     raw = b.load("batch.pt")
     ranks = raw.get("ranks") if isinstance(raw, dict) else None
     ok = isinstance(ranks, list) and bool(ranks)
@@ -153,26 +142,6 @@ def sharded_state(path: Path, cfg) -> dict[str, Any]:
     return {"model": model.state_dict(), **verified_load(path / REST)["state"]}
 
 
-class _Overflows:
-    """A norm's stats sink (norms/module.py ``stats_sink``): the norms whose reduction
-    overflowed in the replay (their per-row statistic is inf), by name."""
-
-    def __init__(self, model):
-        from stabilize.norms import Norm
-
-        found = [(n, m) for n, m in model.named_modules() if isinstance(m, Norm)]
-        self.names = [n for n, _ in found]
-        self.hit: set[str] = set()
-        for j, (_, m) in enumerate(found):
-            m.stats_sink, m.stats_index = self, j
-
-    def record_norm(self, j, x, ms, kind) -> None:
-        import torch
-
-        if ms is not None and bool(torch.isinf(ms).any()):
-            self.hit.add(self.names[j])
-
-
 def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites, rows) -> dict:
     import torch
 
@@ -196,112 +165,7 @@ def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites, ro
 
     return replay_step(model, forward, meta, state, ranks, fp32_sites, inj,
                        precision=cfg.precision.name, reseed=reseed,
-                       select=_select(rows))  # fmt: skip
-
-
-def _select(rows: frozenset | None):
-    """``replay_step``'s ``select`` for a subset of the sequences, as (rank, micro-batch,
-    row) (the data bisection); None: every row."""
-    if rows is None:
-        return None
-    from stabilize.replay.bisect import rows_of, take_rows
-
-    def select(r: dict, m: int, batch):
-        n = rows_of(batch)
-        keep = [j for j in range(n) if (r["rank"], m, j) in rows]
-        return take_rows(batch, keep, n) if keep else None
-
-    return select
-
-
-def replay_step(model, forward, meta: dict, state: dict, ranks: list[dict], fp32_sites, inj,
-                *, precision: str, reseed=None, select=None) -> dict:  # fmt: skip
-    """Every rank's recorded micro-batches through ``forward(batch) -> loss`` and backward,
-    as training ran them: the norms in ``fp32_sites`` switched to fp32, the run's autocast
-    and loss scale, the fault injector ``inj`` (or None) planted again as each rank's with
-    the course it had, the gradients averaged over the ranks as DDP does; the trace's
-    localization and the norms that overflowed. ``reseed(pos, rank)``: dropout's seeds;
-    ``select(rank_record, m, batch)``: a subset of a micro-batch's rows (None: skip it)."""
-    import torch
-
-    from stabilize.replay.bisect import recorded_batches
-    from stabilize.stability.localize import _Trace
-
-    norms = dict(model.named_modules())
-    for site in fp32_sites:
-        norms[site].reduction_dtype = "fp32"
-    if inj is not None:  # attached once: its forward hooks are not removable
-        inj.attach(model)
-    overflows = _Overflows(model)
-    model.train()
-    dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
-    scale = meta["recorded"].get("loss_scale") or 1.0
-    scale = scale if scale > 0 else 1.0
-    step, world = meta["step"], meta["world_size"]
-    losses, sums = [], None
-    # after the fault's hooks, as in training: the trace sees what the next module receives
-    # (before, a poisoned embedding was charged to the dropout after it)
-    trace = _Trace(model)
-    try:
-        for r in ranks:
-            if inj is not None:  # as that rank's, with no firing history: it fires
-                inj.rank = inj.fault.rank = r["rank"]
-                inj.fault.fired, inj.fault.disabled = set(), False
-                if state.get("fault"):
-                    inj.fault.restore(state["fault"])  # the course it had (a drift's factor)
-            for p in model.parameters():
-                p.grad = None
-            batches = recorded_batches(r)
-            n = len(batches)
-            for m, (batch, pos) in enumerate(zip(batches, r["positions"], strict=True)):
-                if select is not None and (batch := select(r, m, batch)) is None:
-                    continue
-                if reseed is not None:
-                    reseed(pos, r["rank"])
-                if inj is not None:
-                    inj.begin(step, pos)
-                with (
-                    torch.autocast("cpu", dtype=dtype, enabled=dtype is not None),
-                    warnings.catch_warnings(),
-                ):
-                    # a module returning a dataclass (Hugging Face's ModelOutput) gets no
-                    # backward hook: its children's name the gradient
-                    warnings.filterwarnings("ignore", "For backward hooks to be called")
-                    loss = forward(batch)
-                if inj is not None:
-                    loss = inj.on_loss(step, loss)
-                    inj.arm(step, model)
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", "Full backward hook is firing")
-                    (loss * (scale / n)).backward()
-                if inj is not None:
-                    inj.disarm(model)  # and the fault's after_backward, as in training
-                losses.append(float(loss.detach()))
-            grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-            if not grads:  # none of this rank's rows in the subset
-                continue
-            sums = grads if sums is None else [a + b for a, b in zip(sums, grads, strict=True)]
-    finally:
-        trace.close()
-    inv = torch.full((), scale, dtype=torch.float64).reciprocal().float()  # as GradScaler
-    grads = [g * inv / world if world > 1 else g * inv for g in sums or []]
-    gnorm = float(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else None
-    loss = sum(losses) / len(losses) if losses else None
-    # bit for bit only where the same kernels ran: one rank, fp32, written on a CPU
-    exact = dtype is None and world == 1 and meta.get("device", "cpu") == "cpu"
-    rec = meta["recorded"]
-    return {
-        "meta": meta,
-        "loss": loss,
-        "grad_norm": gnorm,
-        "exact": exact,
-        "same_loss": _same(loss, rec["loss"], exact),
-        "same_grad_norm": _same(gnorm, rec["grad_norm"], exact),
-        "overflowed": sorted(overflows.hit),
-        "dtypes": {n: m.reduction_dtype for n, m in norms.items() if n in overflows.names},
-        "forward": trace.forward or None,
-        "backward": trace.result(),
-    }
+                       select=select_rows(rows))  # fmt: skip
 
 
 def fails(out: dict[str, Any]) -> bool:

@@ -196,7 +196,7 @@ def _gpt_config(fields: dict[str, Any]):
 def _run_config(fields: dict[str, Any]):
     from stabilize.run.config import RunConfig
 
-    return RunConfig.from_dict(fields)
+    return RunConfig.from_saved(fields)  # an older version's settings too
 
 
 # ``__class__`` value -> builder; a Hugging Face config is matched by its module's prefix
@@ -250,10 +250,10 @@ def _lightning_module(host: dict[str, Any], code: CodeChoice):
 
 def replay_module(model, step, meta: dict, state: dict, ranks: list[dict], fp32_sites,
                   select=None) -> dict:  # fmt: skip
-    """The recorded step through ``step`` (see ``rebuild_module``), as ``core.replay_step``
+    """The recorded step through ``step`` (see ``rebuild_module``), as ``step.replay_step``
     replays our GPT's: the harness's own fault, if the run planted one, planted again;
     ``select``: a subset of the rows (the data bisection)."""
-    from stabilize.replay.core import replay_step
+    from stabilize.replay.step import replay_step
 
     model.load_state_dict(state["model"])
     inj = None

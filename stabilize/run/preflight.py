@@ -12,6 +12,8 @@ know is checked here, at the top of ``train.run`` (before the run dir is made):
   each rank's validation batch (the token cache is built here, stabilize/data/cache.py, and
   the run's loaders reuse it; the tokenizer's ids were checked against ``model.vocab_size``
   by ``RunConfig``); a fault on content names one of its training blocks (``fault.item``);
+- ``model.hf.weights``: a local ``save_pretrained`` directory whose config agrees with our
+  model keys (read from disk here, not when the config is built);
 - ``resume=PATH``: the file exists and is a checkpoint (checked before the data: a typo
   costs no tokenizing);
 - ``trainer.accelerator=gpu``: a CUDA device is visible; ``logger.mode=online``: W&B has an
@@ -90,6 +92,7 @@ def preflight(cfg: RunConfig) -> None:
     check_wandb_login(cfg)
     world = world_size(cfg)
     check_fault_rank(cfg, world)
+    check_hf_weights(cfg)
     with config_errors(), torch.device("meta"):
         model = GPT(cfg.model)
         if cfg.model.hf is None:  # model.fp32_modules: paths of this model (a HF one: at build)
@@ -98,6 +101,18 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.model.hf is None:
         check_fault_site(cfg, [name for name, _ in model.named_modules()])
     check_data(cfg, world)
+
+
+def check_hf_weights(cfg: RunConfig) -> None:
+    """``model.hf.weights``: the directory holds a Hugging Face config that agrees with our
+    model keys (``hf_arch.check_weights``), before the model loads the weights from it."""
+    hf = cfg.model.hf
+    if hf is None or hf.weights is None:
+        return
+    from stabilize.model.hf_arch import check_weights
+
+    with config_errors():
+        check_weights(cfg.model)
 
 
 def check_accelerator(accelerator: str) -> None:

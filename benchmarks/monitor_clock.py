@@ -1,6 +1,6 @@
 """Where the monitors' time goes: the on-arm's clock of bench_monitors.py.
 
-On top of the step stamps (stabilize.bench.lib.StepClock) it wraps the stability callback's own
+On top of the step stamps (benchmarks.lib.StepClock) it wraps the stability callback's own
 methods, by the names ``StabilityCallback`` keeps for this (``_gather``, ``_log_stats``,
 ``_snapshot``, ``restore``, ``_rollback``; the suite's ``update``), and adds up each one's
 process CPU time inside the timed window: a preemption inside one is not charged to it.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from stabilize.bench.lib import StepClock
-from stabilize.bench.stats import median_time
+from benchmarks.lib import StepClock
+from benchmarks.stats import median_time
 from stabilize.lit.stability import StabilityCallback
 from stabilize.monitors import ROLLBACK, Event
 from stabilize.rollback import save_durable

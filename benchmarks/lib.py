@@ -2,7 +2,9 @@
 line, Hydra composition of the real configs, the bench model sizes, a clock callback that
 stamps every optimizer step, and one real training run with it.
 
-Imported first by each script (it sets the environment before wandb is imported). The
+The environment (``offline_environment``: W&B offline and silent, datasets offline) is set
+when a benchmark composes its first run (``compose_cfg``), never on import: wandb reads it
+at ``wandb.init`` and datasets, imported lazily by the data pipeline, when it loads. The
 statistics and tables the scripts print are in stats.py.
 """
 
@@ -14,24 +16,29 @@ import os
 import time
 from pathlib import Path
 
-os.environ["WANDB_MODE"] = "offline"  # before wandb is imported; never the network
-os.environ.setdefault("WANDB_SILENT", "true")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+import lightning as L
+import torch
+import wandb
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-# the checkout this package runs from (its scripts are run from one)
-ROOT = Path(__file__).resolve().parents[2]
+import stabilize.train  # (the config's resolvers and the dataclasses' defaults)
+from benchmarks.stats import load_average
+from stabilize.lit.progress import PlainProgress
+from stabilize.paths import config_dir
+from stabilize.run.config import RunConfig
 
-import lightning as L  # noqa: E402  (after the environment above)
-import torch  # noqa: E402
-import wandb  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+# the checkout the benchmarks run from (benchmarks/ is not installed: it sits beside scripts/)
+ROOT = Path(__file__).resolve().parents[1]
 
-import stabilize.train  # noqa: E402  (the config's resolvers and the dataclasses' defaults)
-from stabilize.bench.stats import load_average  # noqa: E402
-from stabilize.lit.progress import PlainProgress  # noqa: E402
-from stabilize.paths import config_dir  # noqa: E402
-from stabilize.run.config import RunConfig  # noqa: E402
+
+def offline_environment() -> None:
+    """A benchmark never reaches the network: W&B offline (whatever WANDB_MODE said), W&B
+    silent and datasets offline unless the caller chose otherwise."""
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 
 CONFIGS = {
     "tiny": ["model=tiny"],
@@ -44,7 +51,9 @@ CONFIGS = {
 
 
 def compose_cfg(run_dir: str, overrides: list[str]) -> RunConfig:
-    """configs/train.yaml composed with Hydra as the CLI does, as a typed RunConfig."""
+    """configs/train.yaml composed with Hydra as the CLI does, as a typed RunConfig (the
+    benchmark's environment set first: ``offline_environment``)."""
+    offline_environment()
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=[f"run_dir={run_dir}", *overrides])
     return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
@@ -131,6 +140,7 @@ def train_with(cfg: RunConfig, clock: L.Callback) -> dict:
     """One real run (``stabilize.train.run``) with ``clock`` among its callbacks; its
     result. W&B's chatter is muted and its service process stopped after the run: it must
     not run during the next one."""
+    offline_environment()
     with contextlib.redirect_stdout(io.StringIO()):
         out = stabilize.train.run(cfg, callbacks=[clock])
     wandb.teardown()

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from stabilize.bench.spike_eval import LEAD, score
-from stabilize.monitors.forecast_score import _div, fmt
+from benchmarks.forecast_score import _div, fmt
+from benchmarks.spike_eval import LEAD, score
 
 LEADS = (1, 3, LEAD)
 PERCENTILES = (50, 75, 90, 95, 99)

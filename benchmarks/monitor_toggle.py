@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import statistics
 
-from stabilize.bench.lib import StepClock, train_with
-from stabilize.bench.stats import ABBA, BLOCK, block_means, position_overhead, quad_overheads
+from benchmarks.lib import StepClock, train_with
+from benchmarks.stats import ABBA, BLOCK, block_means, position_overhead, quad_overheads
 from stabilize.lit.stability import StabilityCallback
 from stabilize.stability import HEAD
 from stabilize.stability.probe import StabilityProbe
@@ -138,7 +138,7 @@ def toggled_rows(results: list[dict], extra=lambda q: []) -> list[list]:
     the quads' range, ``extra(quads)``'s cells, the number of quads."""
     import statistics
 
-    from stabilize.bench.stats import span
+    from benchmarks.stats import span
 
     rows = []
     for r in results:

@@ -13,8 +13,8 @@ import statistics
 
 import torch
 
-from stabilize.bench.monitor_clock import PARTS
-from stabilize.bench.stats import BLOCK, print_table, quartiles, span
+from benchmarks.monitor_clock import PARTS
+from benchmarks.stats import BLOCK, print_table, quartiles, span
 
 OVERHEAD_MAX = 0.02  # on/off - 1: all default monitors together
 RESTORE_MAX = 1.0  # steps
@@ -89,7 +89,7 @@ def _toggle_table(results: list[dict]) -> None:
         return
     print(
         f"\nIn one run, monitors switched on and off every {BLOCK} steps in ABBA order "
-        f"(stabilize/bench/monitor_toggle.py): on/off - 1 per quad of blocks, median (quartiles, "
+        f"(benchmarks/monitor_toggle.py): on/off - 1 per quad of blocks, median (quartiles, "
         f"min to max) over quads, durable write amortised:\n"
     )
     head = ["config", "quads", "off ms/step", "wall (verdict)", "CPU"]

@@ -40,10 +40,10 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from stabilize.bench.forecast_set import WIDE
+from benchmarks.forecast_score import _div, fmt
+from benchmarks.forecast_set import WIDE
 from stabilize.monitors.curvature import UNITS, CurvatureConfig, CurvatureMonitor
 from stabilize.monitors.events import StepStats
-from stabilize.monitors.forecast_score import _div, fmt
 from stabilize.monitors.spikes import GradSpikeConfig, LossSpikeConfig, SpikeConfig, SpikeDetector
 
 BASE = [

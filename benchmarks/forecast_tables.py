@@ -8,10 +8,7 @@ import statistics
 import numpy as np
 import torch
 
-from stabilize.bench.forecast_set import SWEEP
-from stabilize.monitors.activations import ActivationConfig, ActivationMonitor
-from stabilize.monitors.events import StepStats
-from stabilize.monitors.forecast_score import (
+from benchmarks.forecast_score import (
     NEAR,
     RunScore,
     fmt,
@@ -19,6 +16,10 @@ from stabilize.monitors.forecast_score import (
     table,
     target_misses,
 )
+from benchmarks.forecast_set import SWEEP
+from stabilize.monitors.activations import ActivationConfig, ActivationMonitor
+from stabilize.monitors.events import StepStats
+from stabilize.monitors.forecast import nest_forecast_keys
 from stabilize.numerics import sum_of_squares_rms_limit
 
 
@@ -74,13 +75,26 @@ def near_warnings(r: dict, warned, horizon: int, threshold: float) -> set:
                     if u in truth.get(t, {})), default=0.0) >= NEAR}  # fmt: skip
 
 
+def activation_config(settings: dict) -> ActivationConfig:
+    """``monitor.activation`` from the eval's settings, whose forecast keys keep the flat
+    names the recorded commands use (``forecast_within``, ``horizon``, ...; or nested as
+    ``forecast.within``): ``nest_forecast_keys`` moves them into ``forecast``."""
+    flat = {
+        k.removeprefix("forecast."): v for k, v in settings.items() if k.startswith("forecast.")
+    }
+    rest = {k: v for k, v in settings.items() if not k.startswith("forecast.")}
+    section = nest_forecast_keys(rest)
+    section["forecast"] = {**section.get("forecast", {}), **flat}
+    return ActivationConfig(**section)
+
+
 def score(runs: list[dict], cfg: ActivationConfig, crossings: dict) -> list[RunScore]:
     out = []
     for r in runs:
         warned = replay(r, cfg)
-        near = near_warnings(r, warned, cfg.horizon, cfg.threshold)
+        near = near_warnings(r, warned, cfg.forecast.horizon, cfg.threshold)
         out.append(RunScore(r["name"], r["group"], len(r["steps"]), crossings[r["name"]],
-                            list(warned), cfg.horizon, first=cfg.forecast_start,
+                            list(warned), cfg.forecast.horizon, first=cfg.forecast.start,
                             estimates={w: n for w, (n, _) in warned.items()},
                             at_rate={w: m for w, (_, m) in warned.items()},
                             near=near))  # fmt: skip
@@ -95,7 +109,7 @@ def sweep(runs, settings, crossings, part) -> str:
             ("recall", "precision", "false/1k", "est./real", "at rate/real")) + " |",
             "|---|" + "---|" * 5 * len(names)]  # fmt: skip
     for change in SWEEP:
-        ss = score(runs, ActivationConfig(**{**settings, **change}), crossings)
+        ss = score(runs, activation_config({**settings, **change}), crossings)
         cells = []
         for n in names:
             m = row_metrics([s for s, r in zip(ss, runs, strict=True) if part(r) == n])
@@ -198,10 +212,10 @@ def missed(
 
 def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
     """The printed text, and the targets missed (one line each)."""
-    cfg = ActivationConfig(**settings)
+    cfg = activation_config(settings)
     scores = score(runs, cfg, crossings)
     head = (f"forecast: {', '.join(f'{k}={v}' for k, v in settings.items())}, horizon "
-            f"{cfg.horizon}; {len(runs)} runs, {seconds:.0f} s")  # fmt: skip
+            f"{cfg.forecast.horizon}; {len(runs)} runs, {seconds:.0f} s")  # fmt: skip
     out = [head, "By kind of run:", table(scores)]
     for axis in ("placement", "precision", "set", "model", "norm", "corpus"):
         if len({t[axis] for t in tag.values()}) > 1:
@@ -219,8 +233,8 @@ def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
                 f"By placement, the {part} set alone (not scored while {when}):",
                 table(held, key=lambda s: tag[s.name]["placement"]),
             ]
-    early = cfg.forecast_start + 8
-    first = cfg.forecast_start
+    early = cfg.forecast.start + 8
+    first = cfg.forecast.start
     for axis in ("placement", "precision"):
         out += [
             f"Warnable recall by {axis}, crossings at steps {first + 5}-{early} (a 5-step lead "
@@ -237,8 +251,8 @@ def report(runs, settings, tag, crossings, with_sweep: bool, seconds: float):
                 "setting's row is not out of sample on any set):",
                 sweep(runs, settings, crossings, lambda r: tag[r["name"]]["set"])]  # fmt: skip
     out.append(noise_growth(runs, cfg.threshold))
-    out.append(f"Warnable: crossings at step >= {cfg.forecast_start + 5} (the first forecast is "
-               f"at step {cfg.forecast_start}, 5 steps ahead of it).")  # fmt: skip
+    out.append(f"Warnable: crossings at step >= {cfg.forecast.start + 5} (the first forecast is "
+               f"at step {cfg.forecast.start}, 5 steps ahead of it).")  # fmt: skip
     misses = []
     for axis in ("placement", "precision"):
         for k in sorted({t[axis] for t in tag.values()}):
