@@ -53,7 +53,7 @@ from stabilize.registry import on_change
 # RunConfig's sections that are Hydra groups (configs/<group>/); ``audit`` is not a group
 # (train.yaml's own). Each group's dataclass is named in ``nodes()``, where it is imported.
 GROUPS = ("model", "data", "optim", "precision", "trainer", "logger", "monitor", "rollback",
-          "fault")  # fmt: skip
+          "fault", "quant")  # fmt: skip
 
 
 def defaults(cls: type, skip: Collection[str] = ()) -> dict[str, Any]:
@@ -81,6 +81,7 @@ def nodes() -> dict[str, dict[str, Any]]:
     from stabilize.model.config import GPTConfig, HFConfig
     from stabilize.monitors import MonitorConfig
     from stabilize.norms.config import NormConfig
+    from stabilize.quant.config import QuantConfig
     from stabilize.rollback import REMEDIES, RollbackConfig
     from stabilize.run.config import (
         LoggerConfig,
@@ -92,7 +93,7 @@ def nodes() -> dict[str, dict[str, Any]]:
 
     classes = {"model": GPTConfig, "data": DataConfig, "optim": OptimConfig,
                "precision": PrecisionConfig, "trainer": TrainerConfig,
-               "logger": LoggerConfig}  # fmt: skip
+               "logger": LoggerConfig, "quant": QuantConfig}  # fmt: skip
     out = {"base_run": defaults(RunConfig, skip=GROUPS), "base_norm": defaults(NormConfig)}
     for group, cls in classes.items():
         out[f"base_{group}"] = defaults(cls)

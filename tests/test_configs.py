@@ -24,6 +24,7 @@ from stabilize.model import GPTConfig
 from stabilize.model.config import PRESETS
 from stabilize.monitors import MonitorConfig
 from stabilize.norms import NORM_TYPES, NormConfig
+from stabilize.quant.config import QuantConfig
 from stabilize.rollback import RollbackConfig
 from stabilize.run.config import (
     AuditConfig,
@@ -74,6 +75,7 @@ EXPECTED = {
     "monitor": lambda o: MonitorConfig(enabled=o != "off").to_dict(),
     "rollback": lambda o: _rollback(enabled=o != "off"),
     "fault": lambda o: asdict(fault_config(kind=o)),
+    "quant": lambda o: asdict(QuantConfig(name=o)),
 }
 # Not one dataclass's options: variants of the whole run (``_global_``), each composed and
 # run for a few steps elsewhere (tests/test_recipe.py, tests/test_scenario.py); their keys
@@ -86,7 +88,8 @@ OPTIONS = sorted(
     if p.parent.name not in WHOLE_RUN | NOT_A_RUN
 )
 # The key that says which option a file is; it may equal the default (norm=layernorm).
-NAMES = {"model": "name", "norm": "type", "precision": "name", "data": "source", "fault": "kind"}
+NAMES = {"model": "name", "norm": "type", "precision": "name", "data": "source", "fault": "kind",
+         "quant": "name"}  # fmt: skip
 
 
 def composed(group: str | None, option: str | None) -> dict:
@@ -114,7 +117,7 @@ def test_every_option_file_composes_to_what_its_dataclass_builds(group, option):
 
 DATACLASS = {"model": GPTConfig, "norm": NormConfig, "precision": PrecisionConfig,
              "data": DataConfig, "optim": OptimConfig, "trainer": TrainerConfig,
-             "logger": LoggerConfig}  # fmt: skip
+             "logger": LoggerConfig, "quant": QuantConfig}  # fmt: skip
 
 
 def own_default(group: str | None, values: dict) -> dict:

@@ -29,6 +29,7 @@ from stabilize.monitors.activations import resolve_line
 from stabilize.monitors.forecast import ForecastConfig, LineForecaster
 from stabilize.monitors.logits import AttnEntropyMonitor, AttnLogitMonitor, LogZMonitor
 from stabilize.norms import NormConfig
+from stabilize.quant.config import QuantConfig
 from stabilize.rollback import REMEDIES
 from stabilize.run.config import (
     AuditConfig,
@@ -128,6 +129,7 @@ def test_the_bare_group_options_compose_to_their_dataclass_defaults(tmp_path):
     assert (c.optim, c.precision, c.trainer) == (OptimConfig(), PrecisionConfig(), TrainerConfig())
     assert c.logger == LoggerConfig()
     top = {f.name for f in dataclasses.fields(RunConfig)} - {"run_dir"}
+    assert c.quant == QuantConfig()
     for key in top - {"model", "data", "optim", "precision", "trainer", "logger", "monitor",
-                      "rollback", "fault", "audit"}:  # fmt: skip
+                      "rollback", "fault", "audit", "quant"}:  # fmt: skip
         assert getattr(c, key) == getattr(RunConfig, key), key

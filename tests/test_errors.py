@@ -106,6 +106,14 @@ CASES = [
     (["typo=1"], ["typo=1 is not allowed", "not a setting of the top level", "allowed:"]),
     (["model.n_layerz=3"], ["model.n_layerz=3", "'model' group", "did you mean model.n_layer?"]),
     (["name=${oc.env:STABILIZE_NO_SUCH_VAR}"], ["STABILIZE_NO_SUCH_VAR"]),
+    # the formats beyond 16 bits (stabilize/quant/config.py), before anything is built
+    (["quant=fp7"], ["quant/fp7", "Available options in 'quant'", "fp8_delayed"]),
+    (["quant=fp8_delayed", "quant.layers=[nomatch*]"], ["quant.layers='nomatch*'", "allowed:"]),
+    (["quant=fp8_delayed", "quant.history=0"], ["quant.history=0", "an int >= 1"]),
+    (["quant=fp8_delayed", "quant.margin=-1"], ["quant.margin=-1", "an int >= 0"]),
+    (["quant=mxfp8", "quant.scale_rounding=up"], ["quant.scale_rounding='up'", "rceil"]),
+    (["quant=mxfp8", "model.d_model=72"], ["quant.layers includes h.0.attn.c_attn", "32"]),
+    (["quant=nvfp4", "norm.reduction_dtype=fp16"], ["quant=nvfp4 with norm.reduction_dtype=fp16"]),
 ]
 
 

@@ -34,12 +34,13 @@ from stabilize.lit.grad_reduce import fsdp_policy
 from stabilize.lit.loaders import LoaderMixin
 from stabilize.lit.optim_state import MasterWeights, round_moments_to_bf16
 from stabilize.lit.saved_state import restore_state, saved_state
-from stabilize.model import build_model, set_activation_checkpointing
+from stabilize.model import set_activation_checkpointing
 from stabilize.model.logits import lm_loss
 from stabilize.norms import Norm
 from stabilize.rollback.remedies import lr_scale_at
 from stabilize.rollback.state import TrainState
 from stabilize.run.config import OptimConfig, RunConfig
+from stabilize.run.model import build_run_model
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -85,7 +86,8 @@ class GPTLitModule(LoaderMixin, L.LightningModule):
     def __init__(self, cfg: RunConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = build_model(cfg.model)  # our GPT, or model=hf's architecture
+        # our GPT, or model=hf's architecture, its Linears quantized as quant says
+        self.model = build_run_model(cfg)
         # the state the harness owns beside Lightning's (model/data step, LR scale, remedies,
         # skipped positions): shared with the stability callback, the rollback and the
         # remedies, and saved in checkpoints (rollback/state.py)

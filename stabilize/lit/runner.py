@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch import nn
 
 from stabilize.compat import wandb_started
 from stabilize.elastic import PeerLost, peer_lost_line
@@ -214,9 +215,18 @@ def describe(cfg: RunConfig, module: GPTLitModule, ckpt: str | None, ending=Fals
         f"stabilize-train: {m.name} {_arch(m)} ({params:,} parameters, {m.n_layer} layers x "
         f"{m.d_model}), {_norm_type(m, module)} {n.placement} eps {n.eps:g} reduction "
         f"{n.reduction_dtype}, "
-        f"{cfg.precision.name} on {resolve_accelerator(cfg.trainer.accelerator)}; {start} "
-        f"-> {cfg.run_dir}"
+        f"{cfg.precision.name}{_quant(cfg, module)} on "
+        f"{resolve_accelerator(cfg.trainer.accelerator)}; {start} -> {cfg.run_dir}"
     )
+
+
+def _quant(cfg: RunConfig, module: GPTLitModule) -> str:
+    """ ", GEMMs in fp8_delayed (8 of 9 Linears)": what ``quant`` made of the model."""
+    if not cfg.quant.enabled:
+        return ""
+    linears = [m for m in module.model.modules() if isinstance(m, nn.Linear)]
+    quantized = sum(type(m).__name__ in ("QuantLinear", "Float8Linear") for m in linears)
+    return f", GEMMs in {cfg.quant.name} ({quantized} of {len(linears)} Linears)"
 
 
 def kernel_now(cfg: RunConfig, module: GPTLitModule) -> None:

@@ -97,11 +97,9 @@ class _QuantMatmul(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def swap_linears(model: nn.Module, names: list[str], recipe: str, **knobs) -> list[str]:
-    """Swap the named ``nn.Linear`` modules for ``QuantLinear`` in place, the same weight
-    and bias ``Parameter`` objects kept (an optimizer built before holds them); their names.
-    A block format's operands must split into its blocks: a Linear whose widths do not is
-    refused in one line, nothing swapped."""
+def check_widths(model: nn.Module, names: list[str], recipe: str) -> None:
+    """A block format's operands must split into its blocks along both widths (the input
+    and weight along ``in_features``, the grad-output along ``out_features``)."""
     from stabilize.quant.quantize import BLOCK
 
     block = BLOCK.get(scheme_for(recipe, "input").kind) if recipe in OWN_RECIPES else None
@@ -113,6 +111,14 @@ def swap_linears(model: nn.Module, names: list[str], recipe: str, **knobs) -> li
                 f"widths do not split into {recipe}'s blocks of {block}; allowed: Linears "
                 f"with both widths divisible by {block} (exclude it with quant.exclude)"
             )
+
+
+def swap_linears(model: nn.Module, names: list[str], recipe: str, **knobs) -> list[str]:
+    """Swap the named ``nn.Linear`` modules for ``QuantLinear`` in place, the same weight
+    and bias ``Parameter`` objects kept (an optimizer built before holds them); their names.
+    A block format's operands must split into its blocks: a Linear whose widths do not is
+    refused in one line, nothing swapped."""
+    check_widths(model, names, recipe)
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

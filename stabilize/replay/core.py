@@ -128,12 +128,12 @@ def sharded_state(path: Path, cfg) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from stabilize.io import verified_load
-    from stabilize.model import build_model
     from stabilize.rollback.dcp import REST
+    from stabilize.run.model import build_run_model
     from stabilize.trust import check_dcp_index
 
     check_dcp_index(path)  # before DCP unpickles its index with no allow-list
-    model = build_model(cfg.model)
+    model = build_run_model(cfg)
     want = {"model": get_model_state_dict(model)}  # the keys DCP saved them under
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -147,10 +147,10 @@ def _run(bundle, meta: dict, cfg, state: dict, ranks: list[dict], fp32_sites, ro
 
     from stabilize.faults import FaultInjector
     from stabilize.lit.module import step_seed
-    from stabilize.model import build_model
     from stabilize.model.logits import lm_loss
+    from stabilize.run.model import build_run_model
 
-    model = build_model(cfg.model)
+    model = build_run_model(cfg)
     model.load_state_dict(state["model"])
     model.z_loss = state["train_state"].get("z_loss", cfg.model.z_loss)
     inj = FaultInjector(cfg.fault) if cfg.fault.kind != "none" else None

@@ -20,6 +20,7 @@ from stabilize.model.config import PRESETS
 from stabilize.monitors import MonitorConfig
 from stabilize.monitors.activations import nest_forecast_keys, resolve_line
 from stabilize.norms import NormConfig
+from stabilize.quant.config import QuantConfig, check_with_norms
 from stabilize.rollback import RollbackConfig
 from stabilize.run.rundir import check_name
 from stabilize.run.sections import (
@@ -88,6 +89,7 @@ class RunConfig:
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
     verbose: bool = False
     """True: also third-party notices (stabilize/run/quiet.py) and Lightning's model
     summary."""
@@ -107,6 +109,7 @@ class RunConfig:
             ("logger", LoggerConfig),
             ("rollback", RollbackConfig),
             ("audit", AuditConfig),
+            ("quant", QuantConfig),
         ):
             setattr(self, key, build_dataclass(cls, getattr(self, key), key))
         # the dataclass of the kind ``fault.kind`` names: its knobs only
@@ -137,6 +140,7 @@ class RunConfig:
                 "sharded parameters in fp32); allowed with: auto, ddp"
             )
         red = self.model.norm.reduction_dtype
+        check_with_norms(self.quant, red)
         sixteen = red in ("bf16", "fp16") or (red == "input" and self.precision.name == "bf16-true")
         if self.trainer.compile and sixteen:
             raise ConfigError(

@@ -39,6 +39,7 @@ from stabilize.data import build_dataloaders
 from stabilize.faults import fault_class
 from stabilize.model import GPT
 from stabilize.model.fp32_sites import apply_fp32_modules
+from stabilize.quant.config import check_quant
 from stabilize.run.config import RunConfig
 from stabilize.trust import UntrustedFile, check_dcp_index, torch_load
 from stabilize.validate import ConfigError
@@ -100,6 +101,8 @@ def preflight(cfg: RunConfig) -> None:
     check_fault_param(cfg, [name for name, _ in model.named_parameters()])
     if cfg.model.hf is None:
         check_fault_site(cfg, [name for name, _ in model.named_modules()])
+        with config_errors():  # the quant globs and widths, on the same meta model
+            check_quant(model, cfg.quant)
     check_data(cfg, world)
 
 
