@@ -49,6 +49,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+import stabilize
 from benchmarks.lib import CONFIGS as BASE_CONFIGS
 from benchmarks.lib import (
     StepClock,
@@ -84,8 +85,16 @@ def lightning_path(cfg: RunConfig, edges: tuple[int, int]) -> tuple[dict, float,
     return clock.t, out["metrics"]["train/loss"], tps
 
 
-def bare_steps(cfg: RunConfig):
-    """The bare loop, one optimizer step per ``next()``: yields the step's loss tensor."""
+def lm_batch_loss(model, batch) -> torch.Tensor:
+    """One micro-batch's loss, as the bare loop computes it (the Guard's re-run)."""
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+
+def bare_steps(cfg: RunConfig, guard_dir: Path | None = None):
+    """The bare loop, one optimizer step per ``next()``: yields the step's loss tensor.
+    ``guard_dir``: the same loop under ``stabilize.Guard`` (the run's monitor and rollback
+    settings; the Guard unscales, judges and clips where the bare loop unscales and clips)."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)  # as run() does
     device = torch.device(resolve_accelerator(cfg.trainer.accelerator))
     model = GPT(cfg.model).to(device).train()
@@ -104,26 +113,36 @@ def bare_steps(cfg: RunConfig):
         scaler = torch.amp.GradScaler(
             device.type, init_scale=p.init_scale, growth_interval=p.growth_interval
         )
+    guard = None
+    if guard_dir is not None:
+        guard = stabilize.Guard(model, opt, scaler, scheduler=sched, run_dir=guard_dir,
+                                loss_fn=lm_batch_loss, clip=o.grad_clip, monitor=cfg.monitor,
+                                rollback=cfg.rollback,
+                                log_every=cfg.trainer.log_every_n_steps)  # fmt: skip
     params = list(model.parameters())
-    for x, y in loader:
+    for x, y in guard.batches(loader) if guard is not None else loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            logits = model(x)  # [B, T, V]
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            loss = lm_batch_loss(model, (x, y))
         (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.unscale_(opt)
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if o.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, o.grad_clip, norm, foreach=True)
-        if scaler:
+        if guard is not None:
+            apply = guard.before_step(loss).apply
+        else:
+            apply = True
+            if scaler:
+                scaler.unscale_(opt)
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            if o.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, o.grad_clip, norm, foreach=True)
+        if apply and scaler:
             scaler.step(opt)
             scaler.update()
-        else:
+        elif apply:
             opt.step()
-        sched.step()
+        if apply:
+            sched.step()
         yield loss
 
 

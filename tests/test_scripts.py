@@ -70,6 +70,20 @@ def test_bench_step_smoke(tmp_path):
     assert "| tiny |" in r.stdout and "lightning" in r.stdout.lower()
 
 
+def test_bench_guard_prints_its_ratio_and_verdict_from_the_numbers_beside_it(tmp_path):
+    """Two quads of two-step blocks: the table's median ratio is the verdict line's, and the
+    verdict is PASS exactly when that ratio reaches the target."""
+    script = str(ROOT / "scripts" / "bench_guard.py")
+    args = ["--configs", "tiny", "--block", "2", "--quads", "2", "--warmup", "2", "--threads", "1"]
+    r = run_cli([sys.executable, script, *args], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| tiny |"))
+    ratio = float(row.split("|")[5])
+    verdict = next(line for line in r.stdout.splitlines() if line.startswith("target tiny"))
+    assert f"= {ratio:.3f} (>= 0.97)" in verdict
+    assert verdict.endswith("PASS" if ratio >= 0.97 else "FAIL")
+
+
 @pytest.mark.slow  # ~20 s: the benchmark's own run; its harness is tested in test_benchstats
 def test_bench_monitors_smoke(tmp_path):
     r = run_cli(
