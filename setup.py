@@ -16,5 +16,9 @@ from setuptools import find_namespace_packages, setup
 setup(
     packages=[*find_namespace_packages(include=["stabilize*"]), "stabilize.configs"],
     package_dir={"stabilize.configs": "configs"},
-    package_data={"stabilize.configs": ["*.yaml", "**/*.yaml"], "stabilize.csrc": ["*.cpp"]},
+    package_data={
+        "stabilize.configs": ["*.yaml", "**/*.yaml"],
+        "stabilize.csrc": ["*.cpp"],
+        "stabilize": ["py.typed"],
+    },  # fmt: skip
 )

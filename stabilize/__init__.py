@@ -1,6 +1,6 @@
 """stabilize: a mixed-precision training stability harness (see docs/ARCHITECTURE.md).
 
-The public API (issue 36; docs/design-your-model.md) is exported here lazily (PEP 562):
+The public API (docs/design-your-model.md) is exported here lazily (PEP 562):
 ``import stabilize`` loads no torch, so ``stabilize-train --help`` stays light, and each name
 loads its module on first use: the stability callback for any LightningModule
 (docs/your-model.md), its settings, and norm discovery and surgery on any model."""

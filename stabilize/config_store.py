@@ -1,5 +1,5 @@
 """The dataclasses' defaults as Hydra configs: every option file of configs/ starts from its
-dataclass, so a YAML holds only what differs from it (issue 35, "defaults once").
+dataclass, so a YAML holds only what differs from it ("defaults once").
 
 Each node is a plain mapping of a dataclass's defaults, not a typed structured config: the
 dataclasses check every value themselves (the key, the value and the allowed values, rule 3),

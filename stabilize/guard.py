@@ -116,7 +116,12 @@ class GuardLoop(HandedLoop):
 
 
 class Guard:
-    """The stability harness for a plain loop (see the module doc)."""
+    """The stability harness for a plain loop (see the module doc).
+
+    Writes, in ``run_dir``: ``events.jsonl`` (every verdict), ``bundles/`` (a repro bundle
+    per fault), ``snapshots/`` (the durable snapshots), ``diagnosis.json`` (on an abort),
+    ``config.json``, ``result.json``, and the per-step metrics to
+    ``csv/version_0/metrics.csv``."""
 
     def __init__(
         self,

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from stabilize.compat import scaler_unscaled
 from stabilize.stability.arguments import check_callback, settings
@@ -101,7 +101,12 @@ class HFHost(DrivenHost):
 
 
 class HFStabilityCallback(TrainerCallback):
-    """The stability harness for ``transformers.Trainer`` (see the module doc)."""
+    """The stability harness for ``transformers.Trainer`` (see the module doc).
+
+    Writes, in ``run_dir``: ``events.jsonl`` (every verdict), ``bundles/`` (a repro bundle
+    per fault), ``snapshots/`` (the durable snapshots), ``diagnosis.json`` (on an abort),
+    ``config.json``, ``result.json``, and the per-step metrics to
+    ``csv/version_0/metrics.csv`` and the Trainer's W&B run, if any."""
 
     def __init__(
         self,
@@ -136,8 +141,10 @@ class HFStabilityCallback(TrainerCallback):
         self._autocast_hook: Any = None
 
     # ---- start and end ----------------------------------------------------------------------
-    def on_train_begin(self, args, state, control, model=None, optimizer=None,
-                       lr_scheduler=None, train_dataloader=None, **kw):  # fmt: skip
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
+                       control: TrainerControl, model: nn.Module | None = None,
+                       optimizer: Any = None, lr_scheduler: Any = None,
+                       train_dataloader: Any = None, **kw: Any) -> None:  # fmt: skip
         if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
             raise StabilityConfigError("HFStabilityCallback with FSDP or DeepSpeed is not "
                                        "allowed: their gradients are shards; allowed: one "
@@ -165,7 +172,8 @@ class HFStabilityCallback(TrainerCallback):
                   "judgement; a bad step's gradients dropped, then restored from a snapshot; "
                   "the data goes on after a rollback", flush=True)  # fmt: skip
 
-    def on_train_end(self, args, state, control, **kw):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kw: Any) -> None:  # fmt: skip
         self._end("done")
 
     def _end(self, status: str, error: str | None = None) -> None:
@@ -183,10 +191,11 @@ class HFStabilityCallback(TrainerCallback):
             self.loop.csv.save()
 
     # ---- per step -----------------------------------------------------------------------
-    def on_step_begin(self, args, state, control, **kw):
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState,
+                      control: TrainerControl, **kw: Any) -> None:  # fmt: skip
         self._in_step = True
 
-    def _forward_in(self, module, args, kwargs) -> None:
+    def _forward_in(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """A training micro-batch's forward starts: its inputs are the batch."""
         if not (self._in_step and module.training and torch.is_grad_enabled()):
             return
@@ -198,7 +207,7 @@ class HFStabilityCallback(TrainerCallback):
         self.host.batch_start()
         self.engine.micro_batch(batch)
 
-    def _read_autocast(self, module, args) -> None:
+    def _read_autocast(self, module: nn.Module, args: tuple) -> None:
         """The first training forward's autocast: what a re-run runs under."""
         if self._in_step != "forward":
             return
@@ -213,7 +222,7 @@ class HFStabilityCallback(TrainerCallback):
             print(f"[stability] {self._asked}=True, but the Trainer's forward runs without "
                   f"autocast on {dev}: judged and replayed as fp32", flush=True)  # fmt: skip
 
-    def _forward_out(self, module, args, out) -> None:
+    def _forward_out(self, module: nn.Module, args: tuple, out: Any) -> None:
         if self._in_step != "forward":
             return
         self._in_step = True
@@ -221,7 +230,8 @@ class HFStabilityCallback(TrainerCallback):
         if isinstance(loss, torch.Tensor):
             self.host.saw_loss(loss, scaled=False)
 
-    def on_pre_optimizer_step(self, args, state, control, **kw):
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
+                              control: TrainerControl, **kw: Any) -> None:  # fmt: skip
         self._in_step = False
         host, engine = self.host, self.engine
         scaler, opt = self.loop.scaler(), self.loop.optimizer()
@@ -236,7 +246,8 @@ class HFStabilityCallback(TrainerCallback):
             params = [p for p in host.model.parameters() if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, self.clip, host.grad_total_norm())
 
-    def on_step_end(self, args, state, control, **kw):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kw: Any) -> None:  # fmt: skip
         self.host.step_end(self.engine.batches, self.engine.positions)
         try:
             self.engine.step_end()

@@ -215,3 +215,16 @@ def test_importing_stabilize_sets_no_environment_variable():
     r = subprocess.run([sys.executable, "-c", bare], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0 and r.stdout.split()[-1] == "True", r.stderr[-3000:]
+
+
+def test_no_issue_numbers_in_the_package():
+    """The code says why in its own words: an issue number means nothing to its reader."""
+    import re
+
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "stabilize").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"\b[Ii]ssues? \d+", line)
+    ]
+    assert not found, found

@@ -108,6 +108,7 @@ def test_the_wheel_carries_every_config(venv):
     packages = {p.parent.relative_to(REPO).as_posix() for p in REPO.glob("stabilize/**/*.py")}
     assert {f"{p}/__init__.py" for p in packages} <= names
     assert "stabilize/csrc/cpu_kernels.cpp" in names  # the fused CPU kernel's source
+    assert "stabilize/py.typed" in names  # type checkers read the annotations (PEP 561)
 
 
 def test_the_wheel_installs_no_benchmark_or_research_module(venv):

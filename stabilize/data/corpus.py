@@ -170,7 +170,7 @@ def _load_files(cfg: DataConfig, paths: list[str], key: str) -> datasets.Dataset
         with _datasets_log(logging.CRITICAL):
             return datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
     except datasets.exceptions.DatasetGenerationError as e:
-        # datasets' message names neither the file nor the line (issue 34 item 8): find it
+        # datasets' message names neither the file nor the line: find it
         found = (bad_json(p, cfg.encoding) for p in files) if builder == "json" else ()
         where = next(filter(None, found), None)
         if where is None:  # not a line we can name: the reader's own reason, on one line

@@ -153,7 +153,7 @@ class Fault:
 
     def trigger(self) -> str:
         """When it fires, in words: what a run that ends with it unfired never did (the
-        end-of-run line, ``FaultInjector.outcome``; issue 34 item 5)."""
+        end-of-run line, ``FaultInjector.outcome``)."""
         return f"at model step {self.cfg.step}{self.on_rank()}"
 
     def on_rank(self) -> str:

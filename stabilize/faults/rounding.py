@@ -1,5 +1,5 @@
-"""A silent precision fault: one site's output rounded with a bias (issue 37;
-docs/design-precision.md section 2).
+"""A silent precision fault: one site's output rounded with a bias
+(docs/design-precision.md section 2).
 
 ``biased_round``: from ``fault.step`` on, the output of module ``fault.site`` (a norm, a
 block, a projection: any module path of the model) is rounded **toward zero** to

@@ -1,5 +1,5 @@
 """``trainer.grad_reduce_dtype``: the dtype the gradients are all-reduced in across ranks, a
-precision site of a multi-rank run (issue 37; docs/precision.md).
+precision site of a multi-rank run (docs/precision.md).
 
 DDP all-reduces each bucket of gradients in their own dtype (fp32 under mixed precision).
 A recipe that communicates in bf16 halves the traffic and rounds every gradient to bf16:

@@ -331,10 +331,10 @@ class GPTLitModule(LoaderMixin, L.LightningModule):
             betas=(o.beta1, o.beta2),
             eps=o.eps,
         )
-        if o.master_dtype == "fp32":  # an fp32 master copy of 16-bit weights (issue 37)
+        if o.master_dtype == "fp32":  # an fp32 master copy of 16-bit weights
             self.master = MasterWeights(opt, self.model)
             self.master.load(self._saved_master)
-        if o.state_dtype == "bf16":  # a 16-bit optimizer state, emulated (issue 37)
+        if o.state_dtype == "bf16":  # a 16-bit optimizer state, emulated
             opt.register_step_post_hook(round_moments_to_bf16)
         # The LR is a function of the *model's* step, not of how often the scheduler was
         # stepped: Lightning steps it once per loop iteration, including replays after a

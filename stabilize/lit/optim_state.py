@@ -1,5 +1,5 @@
 """``optim.state_dtype=bf16``: AdamW's moments kept at bf16's precision, a precision site of
-issue 37 (docs/precision.md).
+docs/precision.md.
 
 Recipes that store the optimizer state in 16 bits (a pure-bf16 run's AdamW, memory-saving
 optimizers) lose the small updates of the second moment first: a quiet gap, no NaN. This

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import lightning as L
+import torch
 from torch import nn
 
 from stabilize.faults import FaultConfig
@@ -27,6 +29,13 @@ from stabilize.stability.engine import StabilityEngine
 
 
 class StabilityCallback(L.Callback):
+    """The stability engine in a Lightning ``Trainer`` (see the module doc).
+
+    Writes, in ``run_dir``: ``events.jsonl`` (every verdict), ``bundles/`` (a repro bundle
+    per fault), ``snapshots/`` (the durable snapshots), ``diagnosis.json`` (on an abort),
+    ``config.json`` and ``result.json`` (for a model we did not write), and the per-step
+    metrics to every logger of the Trainer."""
+
     def __init__(
         self,
         monitor: MonitorConfig | dict | None = None,
@@ -86,7 +95,7 @@ class StabilityCallback(L.Callback):
         return self.engine.counts
 
     # ---- set-up -------------------------------------------------------------------------
-    def setup(self, trainer, pl_module, stage):
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         loop = LightningLoop(trainer)
@@ -94,7 +103,8 @@ class StabilityCallback(L.Callback):
         self.engine.settle(self.run_dir, self.accumulate)
         self.engine.setup(loop, self.host, self._blocks)
 
-    def _own_host(self, trainer, pl_module, loop: LightningLoop) -> None:
+    def _own_host(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                  loop: LightningLoop) -> None:  # fmt: skip
         """Our GPTLitModule is its own host; any other LightningModule gets a
         LightningHost. The run dir, accumulation and budget are settled."""
         if self.run_dir is None:
@@ -119,18 +129,19 @@ class StabilityCallback(L.Callback):
             self._budget = trainer.max_steps
             trainer.fit_loop.epoch_loop.max_steps = -1
 
-    def on_train_start(self, trainer, pl_module):
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._driven:  # one optimizer: Lightning's automatic optimization allows no more
             self.host.start()
             self.engine.write_run_info()
         self.engine.start()
 
-    def on_train_end(self, trainer, pl_module):
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.engine.close()
         if self._driven:
             self.engine.write_result("done")
 
-    def on_exception(self, trainer, pl_module, exception):
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                     exception: BaseException) -> None:  # fmt: skip
         # an abort or a crash: the durable snapshot in flight is still written, then the
         # original exception goes on
         self.engine.fail()
@@ -138,7 +149,7 @@ class StabilityCallback(L.Callback):
             aborted = isinstance(exception, StabilityAbort)
             self.engine.write_result("aborted" if aborted else "failed", repr(exception))
 
-    def teardown(self, trainer, pl_module, stage):
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.engine.writer.close()
 
     # ---- per step -----------------------------------------------------------------------
@@ -147,28 +158,32 @@ class StabilityCallback(L.Callback):
     # weights the localization replays and the snapshot ring never see it; the restore
     # itself waits for on_train_batch_end, after Lightning's step, scaler update and
     # scheduler bookkeeping.
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                             batch: Any, batch_idx: int) -> None:  # fmt: skip
         if self._driven:
             self.host.batch_start()
         self.engine.micro_batch(batch)
 
-    def on_before_backward(self, trainer, pl_module, loss):
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           loss: torch.Tensor) -> None:  # fmt: skip
         if self._driven:
             self.host.saw_loss(loss)
 
-    def on_after_backward(self, trainer, pl_module):
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._driven:
             self.host.after_backward()
         # Lightning calls this before the module's own hook, where a fault may write a
         # parameter: the durable copy of the last snapshot's state has landed by then
         self.engine.after_backward()
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
         if self._driven:
             self.host.stepping()
         self.engine.judge()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:  # fmt: skip
         if self._driven:
             self.host.step_end(self.engine.batches, self.engine.positions)
         self.engine.step_end()
@@ -176,13 +191,13 @@ class StabilityCallback(L.Callback):
             trainer.should_stop = True
 
     # ---- checkpoints ----------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Saved in Lightning checkpoints: the engine's state (monitors' windows, the
         ladder, the fault's course) and, for a module we did not write, its model steps
         and data position."""
         return {**self.engine.state_dict(), "host": self.host.saved() if self._driven else None}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.engine.load_state_dict(state)
         self._host_state = state.get("host")
         if self._driven and self._host_state:  # Lightning restores after setup

@@ -1,4 +1,4 @@
-"""What a model we did not build offers to watch (issue 36, docs/design-your-model.md
+"""What a model we did not build offers to watch (docs/design-your-model.md
 sections 3-4): ``inspect_model(model) -> ModelMap``, the discovery half of ``ForeignView``.
 
 Found by structure, types and class names, never by importing ``transformers``:

@@ -1,5 +1,5 @@
-"""``model.fp32_modules``: modules whose forward runs in fp32 with autocast off (issue 37;
-docs/design-precision.md section 3).
+"""``model.fp32_modules``: modules whose forward runs in fp32 with autocast off
+(docs/design-precision.md section 3).
 
 A precision site is a place in the model where the compute dtype is chosen: under
 ``bf16-mixed`` / ``fp16-mixed`` autocast every matmul runs in 16 bits, a norm reduces in its

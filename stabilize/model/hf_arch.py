@@ -1,4 +1,5 @@
-"""Hugging Face architectures in ``stabilize-train`` (``model=hf``; issue 36, design section 7).
+"""Hugging Face architectures in ``stabilize-train`` (``model=hf``; docs/design-your-model.md
+section 7).
 
 ``build_hf(cfg)`` makes a ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` from the run's own
 ``model`` keys (``vocab_size``, ``block_size``, ``n_layer``, ``d_model``, ``n_head``,

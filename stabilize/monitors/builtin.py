@@ -39,5 +39,5 @@ register_monitor("attn_logit", AttnLogitConfig, AttnLogitMonitor.from_config)
 register_monitor("attn_entropy", AttnEntropyConfig, AttnEntropyMonitor.from_config)
 register_monitor("log_z", LogZConfig, LogZMonitor.from_config)
 register_monitor("replicas", ReplicasConfig, ReplicasMonitor.from_config)
-# the optimizer's state and the curvature along its update (issue 38)
+# the optimizer's state and the curvature along its update
 register_monitor("curvature", CurvatureConfig, CurvatureMonitor.from_config)

@@ -1,4 +1,4 @@
-"""``monitor.curvature``: the optimizer-state series of issue 38 (docs/design-spikes.md).
+"""``monitor.curvature``: the optimizer-state series (docs/design-spikes.md).
 
 On log steps the probe records, per block and for the whole model, AdamW's mean g^2 / v_hat
 and the update/weight ratio; on one log step in ``every`` also the curvature along the

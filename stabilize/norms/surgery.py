@@ -1,4 +1,4 @@
-"""Norm discovery and surgery on a model we did not build (issue 36, docs/design-your-model.md
+"""Norm discovery and surgery on a model we did not build (docs/design-your-model.md
 sections 4-5).
 
 - ``find_norms(model)``: every normalization module, by type (``nn.LayerNorm``,

@@ -78,7 +78,7 @@ def precision_main(bundle: Path, code: CodeChoice = NO_CODE) -> int:
     foreign = opened.meta.get("host", {}).get("kind") in FOREIGN
     b = precision(bundle, code)
     head = f"bisection over {len(b['sites'])} norms with a 16-bit reduction, {b['replays']} replays"
-    if b["failing"] and not b["sites"]:  # it reproduces: the norms are not why (issue 34)
+    if b["failing"] and not b["sites"]:  # it reproduces: the norms are not why
         print(f"{head}: the step fails in the replay, but every norm of the run already "
               "reduces in fp32: there is no 16-bit norm to bisect; the sequences that fail "
               f"it: stabilize-replay --data {code_flags(code)}{bundle}")  # fmt: skip

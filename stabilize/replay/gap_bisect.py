@@ -1,5 +1,5 @@
 """``stabilize-replay --gap RUN --reference REF...``: the fewest precision sites whose switch
-to fp32 closes a run's gap to its reference (issue 37; docs/design-precision.md section 3).
+to fp32 closes a run's gap to its reference (docs/design-precision.md section 3).
 
 1. The judge (report/gap.py) first: a run whose gap is inside the seed noise has nothing
    significant to close, and the bisection says so without a replay.

@@ -1,5 +1,5 @@
 """``stabilize-replay --spike RUN``: the damage of a loss spike the run survived, measured by
-a counterfactual (issue 38; docs/design-spikes.md section 4).
+a counterfactual (docs/design-spikes.md section 4).
 
 From the run's last step checkpoint before the spike (its initial state when there is
 none), the window up to N steps after it is replayed in this process (gap_bisect.Window,

@@ -2,7 +2,7 @@
 
 The runs' own tokens/s is no cost: the arms of a scenario run at different moments, two at
 a time, on a machine other work shares, so a ratio of two runs' step times is the machine's
-load as much as the arm's cost (issue 34: every arm read 1.35-1.52, bf16 included, whose
+load as much as the arm's cost (measured: every arm read 1.35-1.52, bf16 included, whose
 step is ~0.13 of an fp16 one here). ``scripts/arm_cost.py`` measures it paired instead: in
 one process, each arm's training step (its model, AdamW, autocast and GradScaler as its
 config says; no monitors, whose cost is the same in every arm) in rounds, the arms in

@@ -1,5 +1,5 @@
-"""The gap judge: how far a run is from its reference, in units of seed noise (issue 37;
-docs/design-precision.md section 1).
+"""The gap judge: how far a run is from its reference, in units of seed noise
+(docs/design-precision.md section 1).
 
 For a score x of one run and the same score of n reference seeds (the reference config,
 e.g. the same run in fp32), the gap is ``x - mean(ref)``; its noise is the standard

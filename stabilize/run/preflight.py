@@ -212,7 +212,7 @@ def check_data(cfg: RunConfig, world: int) -> None:
         )
         # a fault on content (``fault.item``) names a block of this corpus: its own check
         # (``bind_data``), here rather than at train start, after the run dir and W&B run
-        # exist (issue 34 item 5); a disabled fault's settings are checked too
+        # exist; a disabled fault's settings are checked too
         fault_class(cfg.fault.kind)(cfg.fault).bind_data(train.dataset)
 
 

@@ -102,7 +102,7 @@ def final_summary(cfg, result: dict[str, Any], events: list[dict[str, Any]]) -> 
 
 
 def unfired_line(fault: dict[str, Any] | None) -> str | None:
-    """An armed fault that never fired (issue 34 item 5): a quiet run is then no drill."""
+    """An armed fault that never fired: a quiet run is then no drill."""
     if not fault or fault.get("fired"):
         return None
     return (

@@ -1,5 +1,5 @@
-"""The curvature along the optimizer's update, from one difference of gradients (issue 38;
-docs/design-spikes.md sections 1-2).
+"""The curvature along the optimizer's update, from one difference of gradients
+(docs/design-spikes.md sections 1-2).
 
 For the update u AdamW is about to apply (``param_stats.adamw_terms``), one Hessian-vector
 product by a central difference of gradients,

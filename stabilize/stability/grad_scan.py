@@ -22,7 +22,7 @@ after the unscale:
   gradient and the embedding's, which comes up through every block (a norm's input gradient
   included). The scan cannot tell them apart, so its words name both owners and claim no
   origin: on the README's fp16 post-norm run the scan alone charged ``lm_head`` where the
-  re-run and the replay name ``h.0.ln_1`` (issue 34).
+  re-run and the replay name ``h.0.ln_1``.
 
 Under DDP the gradients are already averaged over ranks, so the scan names the module, the
 re-run the rank too. Under FSDP (sharded gradients) neither is made, like the replay: each

@@ -13,7 +13,7 @@ gradients back afterwards. With ``trace`` it also localizes:
   its incoming gradient (w.r.t. its output) was finite: a finite incoming gradient means
   the module made the NaN/inf. A tied weight's gradient is seen once, when both uses have
   accumulated (the embedding's, last), so the head is never charged with a value that
-  came up through a norm's input gradient (issue 34).
+  came up through a norm's input gradient.
 
 Pass-through modules (their output is their input: ``nn.Identity`` for an absent norm,
 dropout at p = 0, the logit softcap when off) are never named: a NaN they carry was made

@@ -4,7 +4,7 @@ The engine (engine.py) and its parts (gather, classify, localize, bundle, contro
 read a loop only through these names, never through a Trainer. Three adapters answer
 them: ``LightningLoop`` (lit/loop.py) from a Lightning Trainer, ``Guard``'s loop
 (guard_loop.py) from the objects a plain loop hands the Guard, and the Hugging Face
-adapter's (hf/loop.py) from the arguments ``transformers.Trainer`` gives its callbacks.
+adapter's (hf_trainer.py) from the arguments ``transformers.Trainer`` gives its callbacks.
 
 ``Host`` (host.py) is the other half: what the engine asks of the model and its data.
 """
