@@ -128,6 +128,8 @@ COMMANDS: dict[str, str] = {
     "train-hf": "stabilize-train model=hf norm.reduction_dtype=fp16 precision=fp16-mixed "
     "trainer.max_steps=20",
     "bench-your-model": "python scripts/bench_your_model.py --rounds 64",
+    "bench-guard": "python scripts/bench_guard.py --configs tiny --threads 1 --quads 8 "
+    "--set model.d_model=512 model.n_head=8",
     "scenario-hf": "scripts/repro_nan.sh --arms reference,baseline --reference-seeds 2 -- "
     "model=hf model.hf.arch=llama",
 }

@@ -71,10 +71,14 @@ def test_bench_step_smoke(tmp_path):
 
 
 def test_bench_guard_prints_its_ratio_and_verdict_from_the_numbers_beside_it(tmp_path):
-    """Two quads of two-step blocks: the table's median ratio is the verdict line's, and the
-    verdict is PASS exactly when that ratio reaches the target."""
-    script = str(ROOT / "scripts" / "bench_guard.py")
-    args = ["--configs", "tiny", "--block", "2", "--quads", "2", "--warmup", "2", "--threads", "1"]
+    """docs/your-model.md's command, shrunk (width 64, two quads of two-step blocks): the
+    table's median ratio is the verdict line's, and the verdict is PASS exactly when that
+    ratio reaches the target."""
+    from doc_commands import doc_command
+
+    shown = shlex.split(doc_command("bench-guard"))
+    script = str(ROOT / shown[1])
+    args = [*shown[2:], "model.d_model=64", "--block", "2", "--quads", "2", "--warmup", "2"]
     r = run_cli([sys.executable, script, *args], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     row = next(line for line in r.stdout.splitlines() if line.startswith("| tiny |"))
