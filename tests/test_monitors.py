@@ -261,6 +261,7 @@ def test_suite_runs_enabled_monitors_and_round_trips_state():
         "log_z",
         "replicas",
         "curvature",
+        "quant",
     ]
     for s in range(10):
         suite.update(StepStats(s, 2.0, grad_norm=1.0 + 0.01 * s, act_max={"h.0": 300.0}))

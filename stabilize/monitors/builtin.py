@@ -23,6 +23,7 @@ from stabilize.monitors.logits import (
     LogZConfig,
     LogZMonitor,
 )
+from stabilize.monitors.quant import QuantMonitor, QuantMonitorConfig
 from stabilize.monitors.registry import register_monitor
 from stabilize.monitors.replicas import ReplicasConfig, ReplicasMonitor
 from stabilize.monitors.spikes import GradSpikeConfig, LossSpikeConfig, SpikeMonitor
@@ -41,3 +42,5 @@ register_monitor("log_z", LogZConfig, LogZMonitor.from_config)
 register_monitor("replicas", ReplicasConfig, ReplicasMonitor.from_config)
 # the optimizer's state and the curvature along its update
 register_monitor("curvature", CurvatureConfig, CurvatureMonitor.from_config)
+# the quantized GEMMs' operands (stabilize/quant/, stability/quant_sites.py)
+register_monitor("quant", QuantMonitorConfig, QuantMonitor.from_config)

@@ -51,13 +51,43 @@ class QuantLinear(nn.Linear):
             self.register_buffer("amax_history", torch.zeros(3, history, device=device))
             self.register_buffer("scale", torch.ones(3, device=device))  # TE starts at 1
         self.on_quantized = None  # the probe's callback, or None
+        self.high_precision = False  # a remedy's: the GEMM in the input's precision
+        self.scale_rounding = scale_rounding
+
+    # ---- what the remedies change (module attributes: rollback/quant_remedies.py re-applies
+    # them after a checkpoint load) -----------------------------------------------------------
+    @property
+    def delayed(self) -> bool:
+        return self.schemes[0].kind == "delayed"
+
+    def widen(self, by: int = 1) -> None:
+        """Delayed scaling's margin ``by`` powers of two wider, the scales the next casts
+        use taken again from the history with it (not only from the next step on)."""
+        self.margin += by
+        with torch.no_grad():
+            for i, scheme in enumerate(self.schemes):
+                hist = self.amax_history[i]
+                if bool((hist > 0).any()):
+                    self.scale[i] = delayed_scale(hist, scheme.fmt, margin=self.margin,
+                                                  algo=self.amax_algo)  # fmt: skip
+
+    def to_current(self) -> None:
+        """Delayed scaling -> current scaling (each tensor's own amax), the same formats."""
+        self.schemes = tuple(scheme_for("fp8_tensor", r) for r in ROLES)
+
+    def to_rceil(self) -> None:
+        """MX block scales rounded up (RCEIL) instead of down (FLOOR)."""
+        self.scale_rounding = "rceil"
+        self.schemes = tuple(scheme_for(self.recipe, r, scale_rounding="rceil") for r in ROLES)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
     def fake(self, i: int, t: torch.Tensor) -> torch.Tensor:
         """Operand ``i`` (0 x, 1 w, 2 dy) as the quantized GEMM sees it, in ``t``'s dtype."""
-        delayed = self.recipe == "fp8_delayed"
+        if self.high_precision:
+            return t
+        delayed = self.delayed
         with torch.no_grad():
             qz: Quantized = quantize(t, self.schemes[i], self.scale[i] if delayed else None)
             if delayed and self.training:

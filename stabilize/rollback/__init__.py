@@ -5,6 +5,7 @@ they change (``state.TrainState``). The Lightning side is
 stabilize/stability/controller.py.
 """
 
+from stabilize.rollback import quant_remedies  # noqa: F401  (registers the quant rungs)
 from stabilize.rollback.policy import Decision, RollbackConfig, RollbackPolicy
 from stabilize.rollback.remedies import (
     REMEDIES,

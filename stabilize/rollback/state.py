@@ -45,6 +45,8 @@ class TrainState:
     remedy; ``fp32_sites`` switches them)."""
     fp32_sites: list[str] = field(default_factory=list)
     """The norms ``fp32_sites`` switched to fp32 (saved: a resume switches them again)."""
+    high_precision: list[str] = field(default_factory=list)
+    """The quantized Linears ``quant_bf16`` put back in high precision (saved likewise)."""
     skip_step: bool = False
     """Set by the stability callback: the step in flight is judged bad and is not applied."""
 
@@ -66,6 +68,7 @@ class TrainState:
             "skipped": sorted(self.skipped),
             "skipped_items": {str(i): h for i, h in sorted(self.skipped_items.items())},
             "fp32_sites": list(self.fp32_sites),
+            "high_precision": list(self.high_precision),
         }
 
     def load_state_dict(self, state: dict[str, Any], z_loss: float) -> None:
@@ -81,4 +84,5 @@ class TrainState:
         self.skipped |= set(state.get("skipped", []))  # in place (the sampler's set)
         self.skipped_items.update({int(i): h for i, h in state.get("skipped_items", {}).items()})
         self.fp32_sites = list(state.get("fp32_sites", []))
+        self.high_precision = list(state.get("high_precision", []))
         self.data_step = self.next_position(state["data_step"])

@@ -22,6 +22,7 @@ from stabilize.monitors.activations import nest_forecast_keys, resolve_line
 from stabilize.norms import NormConfig
 from stabilize.quant.config import QuantConfig, check_with_norms
 from stabilize.rollback import RollbackConfig
+from stabilize.rollback.quant_remedies import QUANT_RUNGS
 from stabilize.run.rundir import check_name
 from stabilize.run.sections import (
     PRECISIONS,
@@ -141,6 +142,9 @@ class RunConfig:
             )
         red = self.model.norm.reduction_dtype
         check_with_norms(self.quant, red)
+        if self.quant.enabled:  # the rungs that change a clipping GEMM (quant_remedies.py)
+            ladder = self.rollback.ladder
+            ladder += [r for r in QUANT_RUNGS if r not in ladder]
         sixteen = red in ("bf16", "fp16") or (red == "input" and self.precision.name == "bf16-true")
         if self.trainer.compile and sixteen:
             raise ConfigError(

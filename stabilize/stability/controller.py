@@ -148,7 +148,8 @@ class RollbackController:
             return get_remedy(rung).unchanged(host.train_state, self.cfg.remedy.get(rung))
 
         # what the fault touched, before the policy asks a rung whether it would change it
-        host.train_state.fault_sites = list(event.extra.get("overflowed", []))
+        host.train_state.fault_sites = [*event.extra.get("overflowed", []),
+                                         *event.extra.get("sites", [])]  # fmt: skip
         decision = self.policy.decide(event, self.ring, unchanged)
         if decision.action == "abort":
             self.abort(loop, host, event, decision.reason, last)

@@ -40,6 +40,7 @@ from stabilize.stability.host import Host
 from stabilize.stability.localize import first_named, locate
 from stabilize.stability.loop import Loop, every_rank, my_rank
 from stabilize.stability.probe import StabilityProbe
+from stabilize.stability.quant_sites import SERIES as QUANT_SERIES
 from stabilize.stability.sink import EventSink
 from stabilize.stability.view import norm_summary, view_of
 
@@ -56,8 +57,7 @@ class StabilityEngine:
         skip_items: Iterable[str] = (),
         layer_panels: int = 24,
     ):
-        """Settings already checked (stability/arguments.py); ``run_dir`` may be settled later
-        (``settle``), before ``setup``."""
+        """Settings checked (arguments.py); ``run_dir`` may be ``settle``d before ``setup``."""
         self.mcfg, self.rcfg, self.fcfg = monitor, rollback, fault
         # without monitors nothing can call for a rollback: no snapshots to pay for either
         self.rollback_on = rollback.enabled and monitor.enabled
@@ -134,6 +134,7 @@ class StabilityEngine:
         if self.mcfg.enabled:
             view = view_of(model, blocks)
             self.probe = StabilityProbe(view, lead=HEAD)
+            self.probe.quant_always = bool(self.suite.needs & QUANT_SERIES)
             if describe and loop.is_zero:
                 for line in view.lines:
                     print(f"[stability] {line}", flush=True)
@@ -194,10 +195,6 @@ class StabilityEngine:
                 print(f"[stability] the durable snapshot in flight failed too: {e!r}", flush=True)
 
     # ---- per step -------------------------------------------------------------------------
-    @property
-    def active(self) -> bool:
-        return self.mcfg.enabled or self.rollback_on
-
     def micro_batch(self, batch) -> None:
         """Before a micro-batch's forward. The first fresh one of an optimizer step opens
         the probe's window (not data_step % accumulate: a skip_data remedy may move the
@@ -227,7 +224,7 @@ class StabilityEngine:
         ``step_end``, after the loop's own step bookkeeping. Returns (stats, events, the
         fault or None), or None when nothing was judged."""
         host = self.host
-        if host.stale_batch or not self.active:
+        if host.stale_batch or not (self.mcfg.enabled or self.rollback_on):
             return None
         optimizer = self.loop.optimizer()
         stats = self.gather_step()
@@ -239,6 +236,9 @@ class StabilityEngine:
             over = [e.layer for e in bad if e.monitor == "overflow"]
             if over:  # every norm that overflowed at this step (the fp32_sites remedy)
                 bad[0].extra["overflowed"] = over
+            clipped = sorted({e.extra["site"] for e in bad if "site" in e.extra})
+            if clipped:  # every quantized Linear that clipped (the quant_bf16 remedy)
+                bad[0].extra["sites"] = clipped
             self._classify(bad)
         if nonfinite and not self.loop.sharded:  # sharded: each rank holds a shard's grads
             self._scan_grads(stats, events)

@@ -91,6 +91,7 @@ class StabilityProbe:
         o += na + 1 + 3 * ng + len(self.OPT)
         # the quantized GEMMs' operands, six max slots each (quant_sites.py)
         self.quant = find_quantized(model)
+        self.quant_always = False  # the quant series on every step (a monitor reads them)
         self._o_q = o
         o += len(self.quant) * PER_SITE
         self.n_maxima = o - lead

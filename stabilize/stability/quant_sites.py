@@ -14,7 +14,8 @@ operands are measured, as the GEMMs see them:
 Per operand the six numbers of ``stabilize.quant.headroom.Headroom`` (amax, amax over the
 format's max after scaling, saturated share counted before the cast, underflow share,
 clipped groups, SQNR), computed with the same scaling the layer uses (current scaling:
-from the tensor itself), on the probe's logged steps, into max slots of the probe's buffer
+from the tensor itself), on the probe's logged steps (every step while a monitor, the
+``quant`` one by default, reads them), into max slots of the probe's buffer
 (so every rank and micro-batch folds to the worst, and the step stays one host sync). The
 SQNR rides negated (a max slot folds it to the lowest); an exact quantization's SQNR, +inf,
 rides as ``EXACT_DB``.
@@ -44,6 +45,7 @@ FIELDS = {
     "quant_clipped": "clipped_blocks",
     "quant_sqnr_db": "sqnr_db",
 }
+SERIES = frozenset(FIELDS)  # what a monitor declares to have them on every step
 _ELEM = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
@@ -112,8 +114,9 @@ def attach(probe, sites: list[QuantSite], offset: int) -> list:
             v = measure(t, scheme, qz)
             buf[o : o + len(METRICS)] = torch.maximum(buf[o : o + len(METRICS)], v)
 
-    def due(module) -> bool:
-        return module.training and probe.buf is not None and probe.logged
+    def due(module) -> bool:  # logged steps, or every step while a monitor reads them
+        live = probe.logged or probe.quant_always
+        return module.training and probe.buf is not None and live
 
     handles, n = [], len(METRICS)
     for i, site in enumerate(sites):
