@@ -55,3 +55,25 @@ def test_a_skip_undone_by_the_next_rollback_is_told_as_undone(tmp_path, capsys):
     fifth = [r["train/loss"] for r in rows if r.get("train/step") == 5 and "train/loss" in r]
     assert len(fifth) == 3
     assert fifth[1] != fifth[0] and fifth[2] == fifth[0]
+
+
+def test_a_lowered_lr_that_did_not_stop_the_fault_is_taken_back_by_the_next_rung(tmp_path):
+    """A persistent fault: lower_lr (the LR halved) does not stop it, so the next rollback's
+    rung takes it back (the LR scale is 1 again, said in its event); skip_data does not stop
+    it either and is kept, with why."""
+    cfg = compose_run(
+        tmp_path,
+        [*FAST, "logger=none", "trainer.max_steps=8", "trainer.val_check_interval=100",
+         "fault=nan_loss", f"fault.step={FAULT}", "fault.persistent=true",
+         "rollback.snapshot_every=2", "rollback.classify=false",
+         "rollback.ladder=[lower_lr,skip_data,retry]", "rollback.max_rollbacks=3"],
+    )  # fmt: skip
+    with pytest.raises(StabilityAbort):
+        run(cfg)
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    rolled = [e["extra"] for e in events if e["monitor"] == "rollback" and e["kind"] == "rollback"]
+    assert [x["remedy"] for x in rolled] == ["lower_lr", "skip_data", "retry"]
+    assert "undone" not in rolled[0] and "kept" not in rolled[0]
+    assert rolled[1]["undone"] == {"lower_lr": {"lr_scale": 1.0}}  # 0.5, taken back
+    assert rolled[2]["kept"] == {"skip_data": "the batches it passed over are behind the run "
+                                 "(never trained on)"}  # fmt: skip

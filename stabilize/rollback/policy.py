@@ -90,6 +90,8 @@ class Decision:
     remedy: str | None = None
     reason: str = ""
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (rung, why it would not help)
+    before: list[str] = field(default_factory=list)
+    """The rung this fault's last rollback applied: it did not stop it."""
 
 
 class RollbackPolicy:
@@ -170,7 +172,8 @@ class RollbackPolicy:
                 "skipped": [list(s) for s in skipped],
             }
         )
-        return Decision("rollback", snap, remedy, skipped=skipped)
+        before = [same[-1]["remedy"]] if same else []  # the rung that did not stop it
+        return Decision("rollback", snap, remedy, skipped=skipped, before=before)
 
     def state_dict(self) -> dict:
         return {"history": copy.deepcopy(self.history)}

@@ -82,6 +82,14 @@ class Remedy:
         restored by compounding it ``times`` times). Nothing for an effect kept in saved
         state (the LR scale, the data position)."""
 
+    kept_because: str = "its change cannot cause the fault it was tried on"
+    """Said when a later rung answers the same fault and this one is not undone."""
+
+    def undo(self, state: TrainState, cfg: Any) -> dict[str, Any] | None:
+        """Take back one application, when a later rung answers the fault it did not stop:
+        what was undone, or None (kept, ``kept_because``)."""
+        return None
+
 
 class Retry(Remedy):
     name = "retry"
@@ -100,6 +108,7 @@ class SkipDataConfig:
 
 
 class SkipData(Remedy):
+    kept_because = "the batches it passed over are behind the run (never trained on)"
     name = "skip_data"
     classes = ("data",)
     config = SkipDataConfig
@@ -141,7 +150,8 @@ def lr_scale_at(scale: float, since: int | None, step: int, cfg: LowerLRConfig |
 
 
 class LowerLR(Remedy):
-    """The LR scale is saved in checkpoints by the module: no reapply."""
+    """The LR scale is saved in checkpoints by the module: no reapply. A lowered LR that
+    did not stop the fault costs every later step: a later rung takes it back."""
 
     name = "lower_lr"
     config = LowerLRConfig
@@ -150,8 +160,13 @@ class LowerLR(Remedy):
         state.lr_scale *= cfg.factor
         return {"lr_factor": cfg.factor, "lr_recover_after": cfg.recover_after}
 
+    def undo(self, state: TrainState, cfg: LowerLRConfig) -> dict[str, Any] | None:
+        state.lr_scale = min(1.0, state.lr_scale / cfg.factor)
+        return {"lr_scale": state.lr_scale}
+
 
 class FP32Reduction(Remedy):
+    kept_because = "a reduction in fp32 cannot overflow where fp16's did: kept"
     name = "fp32_reduction"
     sites = ("overflow",)
 

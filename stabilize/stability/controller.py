@@ -168,6 +168,7 @@ class RollbackController:
         did = get_remedy(remedy).apply(host.train_state, self.cfg.remedy.get(remedy))
         if decision.skipped:  # rungs that would have changed nothing: said, not applied
             did = {**did, "skipped": {r: why for r, why in decision.skipped}}
+        did = {**did, **self._after_rungs(host, decision, remedy)}
         if host.train_state.lr_scale < 1.0:  # a lowered LR's healthy window starts again here
             host.train_state.lr_since = host.train_state.model_step
         if cls == "transient":
@@ -195,6 +196,21 @@ class RollbackController:
                 extra={"restored_step": snap.step, "remedy": remedy, "class": cls, **did},
             ),
         )
+
+    def _after_rungs(self, host, decision, remedy: str) -> dict[str, Any]:
+        """The rung this fault's last rollback applied did not stop it: undone where it can
+        be (a lowered LR), else kept and said why."""
+        undone, kept = {}, {}
+        for rung in decision.before:
+            if rung in (remedy, "retry"):
+                continue
+            r = get_remedy(rung)
+            took = r.undo(host.train_state, self.cfg.remedy.get(rung))
+            if took is None:
+                kept[rung] = r.kept_because
+            else:
+                undone[rung] = took
+        return {k: v for k, v in (("undone", undone), ("kept", kept)) if v}
 
     def _record_skipped(self, loop, host) -> None:
         """``skipped_batches.json``: every skipped data position with each rank's item
