@@ -63,8 +63,8 @@ from benchmarks.stats import print_table, span
 from stabilize.data import build_dataloaders
 from stabilize.lit.build import resolve_accelerator
 from stabilize.lit.module import lr_factor, param_groups
-from stabilize.model import GPT
 from stabilize.run.config import RunConfig
+from stabilize.run.model import build_run_model
 
 CONFIGS = BASE_CONFIGS
 AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -97,7 +97,7 @@ def bare_steps(cfg: RunConfig, guard_dir: Path | None = None):
     settings; the Guard unscales, judges and clips where the bare loop unscales and clips)."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)  # as run() does
     device = torch.device(resolve_accelerator(cfg.trainer.accelerator))
-    model = GPT(cfg.model).to(device).train()
+    model = build_run_model(cfg).to(device).train()  # its quant section applied too
     o, total = cfg.optim, cfg.trainer.max_steps
     opt = torch.optim.AdamW(
         param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps
@@ -183,7 +183,7 @@ def bench(name: str, args, tmp: Path) -> dict:
     return {
         "name": name,
         "tokens": cfg.data.batch_size * cfg.model.block_size,
-        "params": sum(p.numel() for p in GPT(cfg.model).parameters()),
+        "params": sum(p.numel() for p in build_run_model(cfg).parameters()),
         "ckpts": total // every - warm // every,
         "rates": rates,
         "ratios": ratios,

@@ -88,6 +88,22 @@ def test_bench_guard_prints_its_ratio_and_verdict_from_the_numbers_beside_it(tmp
     assert verdict.endswith("PASS" if ratio >= 0.97 else "FAIL")
 
 
+def test_bench_quant_prints_three_ratios_and_a_verdict_from_the_counts_ratio(tmp_path):
+    """One round of one-step blocks of the four loops: the verdict is the table's counts
+    ratio against the target."""
+    script = str(ROOT / "scripts" / "bench_quant.py")
+    args = ["--configs", "tiny", "--block", "1", "--rounds", "2", "--warmup", "1", "--threads", "1"]
+    r = run_cli([sys.executable, script, *args], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| tiny |")]
+    assert [c[3].strip() for c in rows] == ["emulated / bf16", "guarded / emulated",
+                                            "guarded / no_counts"]  # fmt: skip
+    ratio = float(rows[2][4])
+    verdict = next(line for line in r.stdout.splitlines() if line.startswith("target tiny"))
+    assert f"= {ratio:.3f} (>= 0.97)" in verdict
+    assert verdict.endswith("PASS" if ratio >= 0.97 else "FAIL")
+
+
 @pytest.mark.slow  # ~20 s: the benchmark's own run; its harness is tested in test_benchstats
 def test_bench_monitors_smoke(tmp_path):
     r = run_cli(
