@@ -63,6 +63,7 @@ def _item_key(item) -> str:
 class OfflineRun:
     path: Path
     run_id: str = ""
+    name: str = ""  # the display name (``wandb.init(name=...)``)
     project: str = ""
     group: str = ""
     job_type: str = ""
@@ -106,7 +107,7 @@ def _read_once(run_dir: Path) -> OfflineRun:
     for r in records(f):
         kind = r.WhichOneof("record_type")
         if kind == "run":
-            out.run_id, out.project = r.run.run_id, r.run.project
+            out.run_id, out.project, out.name = r.run.run_id, r.run.project, r.run.display_name
             out.group, out.job_type, out.tags = r.run.run_group, r.run.job_type, list(r.run.tags)
             for item in r.run.config.update:
                 out.config[_item_key(item)] = json.loads(item.value_json)
@@ -120,8 +121,10 @@ def _read_once(run_dir: Path) -> OfflineRun:
                 out.summary[_item_key(item)] = json.loads(item.value_json)
         elif kind == "metric":
             m = r.metric
+            ops = ("min", "max", "mean", "last", "first", "none")
             out.metrics.append({"name": m.name or m.glob_name, "glob": bool(m.glob_name),
-                                "hidden": m.options.hidden})  # fmt: skip
+                                "hidden": m.options.hidden, "step_metric": m.step_metric,
+                                "summary": [o for o in ops if getattr(m.summary, o)]})  # fmt: skip
         elif kind == "alert":
             out.alerts.append({"title": r.alert.title, "text": r.alert.text})
         elif kind == "exit":

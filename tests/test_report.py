@@ -28,6 +28,7 @@ from stabilize.report.plots import (
     NONFINITE_LABEL,
     OVERFLOW_LABEL,
     ROLLBACK_LABEL,
+    THICK_LABEL,
     THRESHOLD_COLORS,
     figures,
 )
@@ -139,9 +140,9 @@ def test_every_band_marker_and_arm_has_a_legend_entry(figs):
 
 def test_the_drifting_layer_is_drawn_thick_and_named(runs, figs):
     act = _legend_texts(figs["act_max"])
-    # h.0's output is h.1.ln_1's input: one series, drawn once under both names, led by the
-    # norm that reads it (the monitor judges the tensor as that norm)
-    assert "h.1.ln_1 = h.0 (first over 256)" in act
+    # h.0's output is h.1.ln_1's input: one series, drawn once, named once by the norm that
+    # reads it (the monitor judges the tensor as that norm), the block's name in words
+    assert "h.1.ln_1's input (h.0's output)" in act and THICK_LABEL in act
     for ax in figs["act_max"].axes:
         lines = [ln for ln in _data_lines(ax) if ln.get_alpha() is None]
         if not lines:

@@ -13,7 +13,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from stabilize.compat import wandb_init_kwargs
 from stabilize.lit.audit import NormAudit
-from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger
+from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger, WandbPeaks
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
 from stabilize.lit.fsdp import fsdp_strategy
 from stabilize.lit.grad_reduce import ddp_strategy
@@ -73,6 +73,21 @@ def device_args(cfg: TrainerConfig, env: LaunchEnv) -> dict:
     return {"devices": devices, "num_nodes": num_nodes, "strategy": strategy}
 
 
+def wandb_run_name(run: RunConfig) -> str:
+    """``<name>-<arm>-<run dir's name>``, each thing said once: a part is left out where a
+    later part already says it (repro_nan.sh's run dir is the arm, ``large_eps``, or the
+    arm and seed, ``large_eps-seed1235``: the name was ``nan_repro-large_eps-large_eps``)."""
+    parts = [run.name, run.arm or "", os.path.basename(os.path.normpath(run.run_dir))]
+    parts = [p for p in parts if p]
+    kept = []
+    for i, p in enumerate(parts):
+        later = parts[i + 1 :]
+        if p in kept or any(q == p or q.startswith(p + "-") for q in later):
+            continue
+        kept.append(p)
+    return "-".join(kept)
+
+
 def build_loggers(cfg: LoggerConfig, run: RunConfig) -> list[Logger]:
     loggers: list[Logger] = []
     if cfg.csv:
@@ -88,14 +103,7 @@ def build_loggers(cfg: LoggerConfig, run: RunConfig) -> list[Logger]:
             group=cfg.group or run.name,
             job_type=cfg.job_type,
             tags=[*cfg.tags, *([f"arm:{run.arm}"] if run.arm else [])],
-            name=cfg.name
-            or "-".join(
-                [
-                    run.name,
-                    *([run.arm] if run.arm else []),
-                    os.path.basename(os.path.normpath(run.run_dir)),
-                ]
-            ),
+            name=cfg.name or wandb_run_name(run),
             mode=mode,
         )
         # Lightning passes anonymous=None, which wandb (0.2x on) warns about in every run
@@ -142,6 +150,7 @@ def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
         ),  # fmt: skip
         NormAudit(run.audit, run.run_dir),  # after the stability callback: sees its verdict
         StopAtModelStep(max_steps),
+        WandbPeaks(),
         *progress,
         *extra_callbacks,
         *([preempt] if preempt else []),  # a Checkpoint after the periodic one: the last word

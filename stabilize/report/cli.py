@@ -30,6 +30,8 @@ from stabilize.report.markdown import table as md_table
 from stabilize.report.markdown import text as md_text
 from stabilize.report.naming import arm_names, is_scenario, swept
 from stabilize.report.plots import make_plots
+from stabilize.report.quant_hides import NOTE as QUANT_NOTE
+from stabilize.report.quant_hides import judge_quant, quant_rows
 from stabilize.report.single import run_conclusion
 from stabilize.report.summary import (
     COMPARE,
@@ -146,11 +148,14 @@ def write_report(
     if scenario and len(runs) > 1:  # one run has no reference: its conclusion is above
         fs = [facts(r, a) for r, a in zip(runs, arms, strict=True)]
         ref, verdicts = judge(arms, fs)
+        hidden = judge_quant(runs, ref, verdicts)  # quantized arms: what their formats hid
         cells = None
         if cost is not None:
             cells = cost_cells(cost, {a.arm: (f.arm, a) for a, f in zip(arms, fs, strict=True)})
-        lines += ["## Against the reference", "", md_table(verdict_rows(ref, verdicts, cells)), ""]
+        rows = quant_rows(verdict_rows(ref, verdicts, cells), verdicts, hidden)
+        lines += ["## Against the reference", "", md_table(rows), ""]
         lines += [VERDICT_NOTE + " " + cost_note(cost), ""]
+        lines += [QUANT_NOTE, ""] if hidden else []
         lines += ["## Conclusions", ""]
         found = conclusions(arms)  # the baseline's chain first, then the verdicts, then costs
         chain_first = [c for c in found if c.startswith("Baseline chain")]
@@ -191,7 +196,10 @@ def write_report(
         "x: the model step. Solid: the trajectory the run kept; faded, ending in `x`: an "
         "attempt a rollback dropped (replayed after it); dotted: a rollback, at the step the "
         "model rewound to; dashed: the first overflowed fp16 reduction; shaded: steps with "
-        "non-finite values.",
+        "non-finite values; a diamond: where a line ends (its legend entry says what follows). "
+        "An arm that lies on another is drawn thinner, on top (its entry: at which steps). "
+        "In act_max, dotted: the overflowing norm's largest row RMS, against the row RMS "
+        "past which its fp16 sum of squares overflows.",
         "",
     ]
     for name, p in plots.items():

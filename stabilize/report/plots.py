@@ -22,12 +22,13 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from stabilize.numerics import FP16_MAX  # noqa: E402
 from stabilize.report.axis import pieces, rewinds  # noqa: E402
+from stabilize.report.layers import RMS_LINE_COLOR, draw_layers, draw_rms, layer_colors  # noqa: E402
 from stabilize.report.load import Run  # noqa: E402
 from stabilize.report.summary import LINE  # noqa: E402
 
 LINE_COLOR = "#d62728"  # the 256 line (red)
 MAX_COLOR = "#000000"  # fp16's max, the loss-scale floor (black)
-THRESHOLD_COLORS = (LINE_COLOR, MAX_COLOR)
+THRESHOLD_COLORS = (LINE_COLOR, MAX_COLOR, RMS_LINE_COLOR)
 # tab10 without its red and grey: a curve never reads as a threshold or a marker
 PALETTE = [
     "#1f77b4",
@@ -45,6 +46,8 @@ ROLLBACK_LABEL = "rollback: the model step rewinds to here"
 DROPPED_LABEL = "attempt dropped by a rollback (x: where), then replayed"
 OVERFLOW_LABEL = "first overflowed fp16 reduction (dead tokens)"
 NONFINITE_LABEL = "steps with non-finite values (shaded in the arm's colour)"
+THICK_LABEL = "thick: the panel's first layer over 256 (none: its largest |x| max)"
+ENDED_LABEL = "the line ends: what follows cannot be drawn (the arm's entry says what)"
 
 
 def _colors(runs: list[Run]) -> dict[str, str]:
@@ -57,11 +60,21 @@ def _clean(ys: list[float], log: bool) -> list[float]:
 
 
 def _draw(ax, run: Run, key: str, color: str, log: bool, lw: float = 1.3, **kw) -> dict:
-    """One run's metric in model steps; returns what was drawn (for the legend)."""
-    got = {"finite": False, "dropped": False, "nonfinite": []}
+    """One run's metric in model steps; returns what was drawn (for the legend). Where the
+    kept trajectory has values past its last drawable point (0 on a log axis, non-finite),
+    the line's end is marked and ``got["ended"]`` says at which step and why."""
+    got = {"finite": False, "dropped": False, "nonfinite": [], "ended": None}
+    last = None  # (step, value) of the kept trajectory's last drawable point
+    after: list[float] = []  # the kept values logged after it
     for p in pieces(run, key):
         ys = _clean(p.ys, log)
         got["nonfinite"] += [x for x, v in zip(p.xs, p.ys, strict=True) if not math.isfinite(v)]
+        if not p.abandoned:
+            for x, v, y in zip(p.xs, p.ys, ys, strict=True):
+                if math.isfinite(y):
+                    last, after = (x, y), []
+                else:
+                    after.append(v)
         if not any(math.isfinite(y) for y in ys):
             continue
         got["finite"] = True
@@ -70,7 +83,87 @@ def _draw(ax, run: Run, key: str, color: str, log: bool, lw: float = 1.3, **kw) 
             ax.plot(p.xs, ys, color=color, lw=1, alpha=0.5, marker="x", markevery=[len(ys) - 1])
         else:
             ax.plot(p.xs, ys, color=color, lw=lw, **kw)
+    if last is not None and after:
+        ax.plot([last[0]], [last[1]], color=color, ls="none", marker="D", ms=7, mfc="none",
+                mew=1.5, zorder=5, gid="end")  # fmt: skip
+        got["ended"] = (last[0], _why_ended(after, log))
     return got
+
+
+def _why_ended(after: list[float], log: bool) -> str:
+    """What follows a line's last drawable point, in words: '0 on 21 steps, non-finite on 7'."""
+    zero = sum(1 for v in after if math.isfinite(v) and v <= 0 and log)
+    bad = sum(1 for v in after if not math.isfinite(v))
+    parts = [f"0 on {zero} steps (no log scale point)"] if zero else []
+    parts += [f"non-finite on {bad} steps"] if bad else []
+    return ", ".join(parts) or "no value"
+
+
+def drawable(run: Run, key: str, log: bool) -> dict[int, float]:
+    """{model step: value} of the kept trajectory's drawable points."""
+    out = {}
+    for p in pieces(run, key):
+        if not p.abandoned:
+            out.update({x: y for x, y in zip(p.xs, _clean(p.ys, log), strict=True)
+                        if math.isfinite(y)})  # fmt: skip
+    return out
+
+
+def same_as(series: dict[str, dict[int, float]], rel: float = 1e-3) -> dict[str, tuple]:
+    """{arm: (earlier arm, [(first, last step)], all)} for an arm whose curve lies on an
+    earlier arm's for 2 or more steps in a row (equal within ``rel``, far below a pixel):
+    drawn one over the other, the later would hide it. ``all``: at every step it has."""
+    out: dict[str, tuple] = {}
+    arms = list(series)
+    for i, arm in enumerate(arms):
+        mine = series[arm]
+        for other in arms[:i]:
+            theirs = series[other]
+            shared = sorted(set(mine) & set(theirs))
+            close = [
+                x
+                for x in shared
+                if abs(mine[x] - theirs[x]) <= rel * max(abs(mine[x]), abs(theirs[x]))
+            ]
+            runs = _runs(close, sorted(mine))
+            if runs:
+                out[arm] = (other, runs, len(close) == len(mine))
+                break
+    return out
+
+
+def _runs(equal: list[int], steps: list[int]) -> list[tuple[int, int]]:
+    """Stretches of 2 or more of ``steps`` in a row that are all in ``equal``."""
+    at = {x: i for i, x in enumerate(steps)}
+    out: list[list[int]] = []
+    for x in equal:
+        if out and at[x] == at[out[-1][1]] + 1:
+            out[-1][1] = x
+        else:
+            out.append([x, x])
+    return [(a, b) for a, b in out if b > a]
+
+
+def widths(arms: list[str], same: dict[str, tuple], lw: float = 1.3) -> dict[str, float]:
+    """Line widths so that no arm hides another: an arm that a later one lies on is drawn
+    wider by 2 points per arm on top of it (one on another: 3.3 under 1.3), the later on top."""
+    under = dict.fromkeys(arms, 0)
+    for arm in arms:
+        o = same.get(arm)
+        while o is not None:
+            under[o[0]] += 1
+            o = same.get(o[0])
+    return {a: lw + 2.0 * under[a] for a in arms}
+
+
+def same_note(arm: str, same: dict[str, tuple]) -> str:
+    """'identical to baseline', or '= baseline at steps 1-12, 14-40'."""
+    if arm not in same:
+        return ""
+    other, runs, whole = same[arm]
+    if whole:
+        return f"identical to {other}"
+    return f"= {other} at steps " + ", ".join(f"{a}-{b}" for a, b in runs)
 
 
 def _markers(ax, run: Run, color: str, nonfinite: list[int]) -> set[str]:
@@ -109,6 +202,7 @@ def _proxies(used: set[str]) -> list:
         ROLLBACK_LABEL: Line2D([], [], color=MARK, ls=":", lw=1.2),
         OVERFLOW_LABEL: Line2D([], [], color=MARK, ls="--", lw=1),
         NONFINITE_LABEL: Patch(color=MARK, alpha=0.2, lw=0),
+        ENDED_LABEL: Line2D([], [], color=MARK, ls="none", marker="D", ms=7, mfc="none"),
     }
     out = []
     for label, h in styles.items():
@@ -122,17 +216,24 @@ def _metric_figure(runs, key, title, ylabel, log=False, lines=()) -> Figure | No
     colors = _colors(runs)
     fig, ax = plt.subplots(figsize=(11, 4.8))
     handles, used, any_finite = [], set(), False
-    for r in runs:
-        if not r.series(key):
-            continue
-        got = _draw(ax, r, key, colors[r.arm], log)
+    drawn = [r for r in runs if r.series(key)]
+    same = same_as({r.arm: drawable(r, key, log) for r in drawn})
+    lw = widths([r.arm for r in drawn], same)
+    for r in drawn:
+        got = _draw(ax, r, key, colors[r.arm], log, lw=lw[r.arm])
         any_finite |= got["finite"]
         used |= _markers(ax, r, colors[r.arm], got["nonfinite"])
         if got["dropped"]:
             used.add(DROPPED_LABEL)
         # every arm in the legend, also one with no finite value to draw (its band says why)
-        label = r.arm if got["finite"] else f"{r.arm} (no finite value)"
-        handles.append(Line2D([], [], color=colors[r.arm], lw=1.3, label=label))
+        notes = [same_note(r.arm, same)] if r.arm in same else []
+        if got["ended"] is not None:
+            used.add(ENDED_LABEL)
+            notes.append(f"ends at step {got['ended'][0]}: then {got['ended'][1]}")
+        if not got["finite"]:
+            notes = ["no finite value"]
+        label = f"{r.arm} ({'; '.join(notes)})" if notes else r.arm
+        handles.append(Line2D([], [], color=colors[r.arm], lw=lw[r.arm], label=label))
     if not handles or not any_finite:
         plt.close(fig)
         return None
@@ -151,7 +252,6 @@ def _metric_figure(runs, key, title, ylabel, log=False, lines=()) -> Figure | No
 
 def _act_figure(runs: list[Run]) -> Figure | None:
     """Per-layer |x| max, one panel per arm, with the 256 line and fp16's max."""
-    from stabilize.report.layers import draw_layers, layer_colors
 
     with_act = [r for r in runs if r.keys("act/")]
     if not with_act:
@@ -160,11 +260,12 @@ def _act_figure(runs: list[Run]) -> Figure | None:
     cols = min(3, n)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(
-        rows, cols, figsize=(4.6 * cols + 3.4, 3.6 * rows), squeeze=False, sharey=True
+        rows, cols, figsize=(4.6 * cols + 4.4, 3.6 * rows), squeeze=False, sharey=True
     )
     colors = layer_colors(with_act)
     handles: dict[str, object] = {}
     used: set[str] = set()
+    rms_lines: set[float] = set()
     for ax, r in zip(axes.flat, with_act, strict=False):
         nonfinite = []
         for label, h, bad, dropped in draw_layers(ax, r, colors):
@@ -172,6 +273,14 @@ def _act_figure(runs: list[Run]) -> Figure | None:
             nonfinite += bad
             if dropped:
                 used.add(DROPPED_LABEL)
+        rms = draw_rms(ax, r, colors)
+        if rms is not None:
+            layer, label, line = rms
+            style = {"lw": 1.4, "ls": (0, (1, 1)), "marker": "^"}
+            handles.setdefault(
+                label, Line2D([], [], color=colors.get(layer, MARK), label=label, **style)
+            )
+            rms_lines.add(line)
         ax.axhline(LINE, color=LINE_COLOR, lw=1, ls="--")
         ax.axhline(FP16_MAX, color=MAX_COLOR, lw=1, ls="-.")
         used |= _markers(ax, r, MARK, nonfinite)
@@ -181,15 +290,28 @@ def _act_figure(runs: list[Run]) -> Figure | None:
         ax.grid(alpha=0.3)
     for ax in axes.flat[n:]:
         ax.axis("off")
-    axes[0][0].set_ylabel("|x| max")
+    axes[0][0].set_ylabel("|x| max (dotted: largest row RMS)")
     legend = list(handles.values())
+    legend.append(Line2D([], [], color=MARK, lw=2.6, label=THICK_LABEL))
     legend += [
         Line2D([], [], color=LINE_COLOR, lw=1, ls="--", label="256: one fp16 square overflows"),
         Line2D([], [], color=MAX_COLOR, lw=1, ls="-.", label="65504: fp16 max"),
     ]
+    legend += [
+        Line2D(
+            [],
+            [],
+            color=RMS_LINE_COLOR,
+            lw=1,
+            ls="--",
+            label=f"{v:.1f}: row RMS past which an fp16 sum of "
+            f"{round(FP16_MAX / v**2)} squares overflows",
+        )  # fmt: skip
+        for v in sorted(rms_lines)
+    ]
     fig.legend(handles=legend + _proxies(used), fontsize=7, loc="center right")
-    fig.suptitle("per-layer activation |x| max (thick: the layer that crossed 256 first)")
-    fig.tight_layout(rect=(0, 0, 1 - 3.3 / (4.6 * cols + 3.4), 1))
+    fig.suptitle("per-layer activation |x| max and the overflowing norm's row RMS")
+    fig.tight_layout(rect=(0, 0, 1 - 4.3 / (4.6 * cols + 4.4), 1))
     return fig
 
 
@@ -199,20 +321,23 @@ def _audit_figure(runs: list[Run]) -> Figure | None:
         return None
     colors = _colors(runs)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    # a marker on every audit: a run audited once (audit.every past its length: only the
-    # train-end audit) is one point, which a line alone does not draw
-    dot = {"marker": "o", "ms": 4}
-    for r in with_audit:
-        xs = [a["step"] for a in r.audits]  # audits record the model step themselves
-        a1.plot(xs, [a["rel_err_median"] for a in r.audits], color=colors[r.arm], label=r.arm,
-                **dot)  # fmt: skip
-        a2.plot(
-            xs,
-            [100 * (a["dead_share"] + a.get("nonfinite_share", 0)) for a in r.audits],
-            color=colors[r.arm],
-            label=r.arm,
-            **dot,
-        )
+    panels = (
+        (a1, lambda a: a["rel_err_median"]),
+        (a2, lambda a: 100 * (a["dead_share"] + a.get("nonfinite_share", 0))),
+    )
+    for ax, value in panels:
+        series = {r.arm: {a["step"]: value(a) for a in r.audits} for r in with_audit}
+        same = same_as(series)
+        lw = widths(list(series), same)
+        for r in with_audit:  # audits record the model step themselves
+            xs, ys = list(series[r.arm]), list(series[r.arm].values())
+            note = same_note(r.arm, same)
+            # a marker on every audit: a run audited once (audit.every past its length: only
+            # the train-end audit) is one point, which a line alone does not draw; an arm
+            # under another one is drawn wider, its markers larger
+            label = f"{r.arm} ({note})" if note else r.arm
+            ms = 4 + 2 * (lw[r.arm] - 1.3)
+            ax.plot(xs, ys, color=colors[r.arm], lw=lw[r.arm], marker="o", ms=ms, label=label)
     a1.set(yscale="log", title="norm output vs float64 (median rel. error)", xlabel=XLABEL)
     a2.set(title="norm rows dead or non-finite (%)", xlabel=XLABEL)
     for ax in (a1, a2):

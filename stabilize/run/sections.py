@@ -195,7 +195,8 @@ class LoggerConfig:
     tags: list[str] = field(default_factory=list)
     """W&B tags (a scenario's arm adds ``arm:<arm>``)."""
     name: str | None = None
-    """The W&B run's name; None: ``<name>-<arm>-<run dir's name>``."""
+    """The W&B run's name; None: ``<name>-<arm>-<run dir's name>``, each part once (one a
+    later part already holds is left out)."""
     csv: bool = True
     """Also a CSV log (run_dir/csv), whatever W&B does."""
     layer_panels: int = 24

@@ -42,6 +42,7 @@ class EventSink:
         self.layers = LayerPanels(layer_panels)
         self.counts = {"warn": 0, "skip": 0, "rollback": 0}  # counted on every rank
         self.console = EventConsole(rollback_on)
+        self._rollbacks_at: dict[int, int] = {}  # model step -> rollback alerts sent
 
     def close(self, loop) -> None:
         """End of training (or an abort): the console's open episodes are summed up."""
@@ -63,14 +64,20 @@ class EventSink:
         if opened and e.kind in ("warn", "rollback", "abort"):
             self._alert(loop, e)
 
-    @staticmethod
-    def _alert(loop, e: Event) -> None:
+    def _alert(self, loop, e: Event) -> None:
         """A W&B alert for the first event of an episode. W&B's own ``wait_duration``
         holds back a second alert of the same title within ``ALERT_WAIT_S`` (episodes of
         one monitor that flap); the rollback controller's own events are titled by their
-        step, so each rollback and the abort get theirs."""
+        step, and a rollback also by its attempt at that step and its remedy: the second
+        rollback of one step (often the one that fixed it) is not held back as a repeat of
+        the first. Titles stay under W&B's 64 characters."""
         controller = e.monitor == "rollback" or e.kind == "abort"
         title = f"{e.kind}: {e.monitor}" + (f" at step {e.step}" if controller else "")
+        if e.monitor == "rollback" and e.kind == "rollback":
+            tries = self._rollbacks_at  # model step -> rollback alerts sent
+            tries[e.step] = tries.get(e.step, 0) + 1
+            remedy = str(e.extra.get("remedy", "?"))[:24]
+            title = f"rollback at step {e.step}, attempt {tries[e.step]}: {remedy}"
         level = "WARN" if e.kind == "warn" else "ERROR"
         for run in loop.wandb_runs():
             run.alert(title=title, text=e.message, level=level, wait_duration=ALERT_WAIT_S)
