@@ -23,11 +23,13 @@ rides as ``EXACT_DB``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from stabilize.quant.formats import overflows
 from stabilize.quant.headroom import Headroom, headroom, headroom_of
 from stabilize.quant.linear import QuantLinear
 from stabilize.quant.quantize import Quantized, Scheme
@@ -87,6 +89,18 @@ def measure(t: torch.Tensor, scheme: Scheme, qz: Quantized | None = None) -> tor
     return v
 
 
+def measure_light(qz: Quantized) -> torch.Tensor:
+    """Between log steps: the amax, its ratio to the format's max and the saturated share,
+    read off the layer's own cast (one pass); the other three not measured (-inf)."""
+    with torch.no_grad():
+        fmt, mag = qz.scheme.fmt, qz.scaled.abs()
+        sat = overflows(mag, fmt).float().mean() if mag.numel() else mag.new_zeros(())
+        amax = qz.group_amax.amax() if mag.numel() else mag.new_zeros(())
+        ratio = mag.amax() / fmt.max if mag.numel() else mag.new_zeros(())
+        rest = torch.full((len(METRICS) - 3,), -math.inf, device=mag.device)
+        return torch.cat([torch.stack([amax, ratio, sat]).float(), rest])
+
+
 def unpack_sites(sites: list[QuantSite], values: list[float]) -> dict[str, dict[str, float]]:
     """Host values of the sites' slots -> one dict per ``FIELDS`` entry, keyed
     ``<layer>.<operand>``; an operand not measured this step (its slots still -inf) is
@@ -100,22 +114,25 @@ def unpack_sites(sites: list[QuantSite], values: list[float]) -> dict[str, dict[
                 continue
             vals["sqnr_db"] = -vals["sqnr_db"]
             for field, metric in FIELDS.items():
-                out[field][f"{site.name}.{op}"] = vals[metric]
+                if math.isfinite(vals[metric]) or metric in ("amax", "amax_ratio"):
+                    out[field][f"{site.name}.{op}"] = vals[metric]
     return out
 
 
 def attach(probe, sites: list[QuantSite], offset: int) -> list:
     """The hooks that write each site's operands into ``probe.buf`` from ``offset`` on
-    (training forwards of logged steps only; no host sync); their handles."""
+    (training forwards; no host sync); their handles. Every count on logged steps; between
+    them, while a monitor reads the series, our ``QuantLinear``'s amax, ratio and saturated
+    share off its own cast (torchao's current scaling cannot saturate: not measured)."""
 
     def write(o: int, t: torch.Tensor, scheme: Scheme, qz: Quantized | None = None) -> None:
         buf = probe.buf
         if buf is not None:
-            v = measure(t, scheme, qz)
+            v = measure(t, scheme, qz) if qz is None or probe.logged else measure_light(qz)
             buf[o : o + len(METRICS)] = torch.maximum(buf[o : o + len(METRICS)], v)
 
-    def due(module) -> bool:  # logged steps, or every step while a monitor reads them
-        live = probe.logged or probe.quant_always
+    def due(module) -> bool:  # logged steps; ours on every step while a monitor reads them
+        live = probe.logged or (probe.quant_always and isinstance(module, QuantLinear))
         return module.training and probe.buf is not None and live
 
     handles, n = [], len(METRICS)
