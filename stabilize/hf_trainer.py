@@ -70,6 +70,8 @@ class HFLoop(HandedLoop):
         for run in self.wandb_runs():  # the Trainer's W&B run, its x-axis named as it does
             run.log({**metrics, "train/global_step": step})
 
+    wandb_step_metric = "train/global_step"  # what the Trainer's WandbCallback binds to
+
     def wandb_runs(self) -> list:
         wandb = sys.modules.get("wandb")
         run = getattr(wandb, "run", None) if wandb is not None else None

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from stabilize.lit.callbacks import PEAK_PREFIXES
 from stabilize.run.summary import read_events
 from stabilize.stability import StabilityAbort
+from stabilize.stability.wandb_layers import PEAKS
 from stabilize.train import run
 from stabilize.wandb_offline import find_offline_runs, read_offline_run
 
@@ -58,8 +58,8 @@ def test_each_rollback_of_one_step_gets_its_own_alert_title(wandb_run):
 
 def test_the_per_layer_maxima_are_summarised_by_their_peak(wandb_run):
     _, _, w = wandb_run
-    peaks = {m["name"]: m for m in w.metrics if m["summary"] == ["max"]}
-    assert set(peaks) == {f"{p}/*" for p in PEAK_PREFIXES}
+    peaks = {m["name"]: m for m in w.metrics if m["summary"]}
+    assert {k: m["summary"] for k, m in peaks.items()} == {f"{p}/*": [h] for p, h in PEAKS.items()}
     for m in peaks.values():
         assert m["glob"] and m["step_metric"] == "trainer/global_step"  # WandbLogger's step
     assert any(k.startswith("act/") for row in w.history for k in row)  # the series it covers

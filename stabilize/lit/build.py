@@ -13,7 +13,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from stabilize.compat import wandb_init_kwargs
 from stabilize.lit.audit import NormAudit
-from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger, WandbPeaks
+from stabilize.lit.callbacks import ReplicaCheck, StopAtModelStep, ThroughputLogger
 from stabilize.lit.checkpoint import AtomicCheckpointIO, PeriodicCheckpoint
 from stabilize.lit.fsdp import fsdp_strategy
 from stabilize.lit.grad_reduce import ddp_strategy
@@ -150,7 +150,6 @@ def build_trainer(run: RunConfig, extra_callbacks: list[L.Callback] = ()) -> L.T
         ),  # fmt: skip
         NormAudit(run.audit, run.run_dir),  # after the stability callback: sees its verdict
         StopAtModelStep(max_steps),
-        WandbPeaks(),
         *progress,
         *extra_callbacks,
         *([preempt] if preempt else []),  # a Checkpoint after the periodic one: the last word

@@ -1,5 +1,5 @@
-"""Small callbacks: throughput (tokens/s, MFU), the replica check, the stop at a model step,
-the W&B summary of the per-layer maxima (progress lines and the bar: ``progress.py``)."""
+"""Small callbacks: throughput (tokens/s, MFU), the replica check, the stop at a model step
+(progress lines and the bar: ``progress.py``)."""
 
 from __future__ import annotations
 
@@ -127,29 +127,3 @@ class StopAtModelStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if pl_module.train_state.model_step >= self.steps:
             trainer.should_stop = True
-
-
-# Per-layer series whose danger is their peak (|x| max against 256, the largest row RMS
-# against 255.94 / sqrt(D), the largest attention logit): the W&B runs table shows a key's
-# summary, by default its last value, which after a rollback or a recovery is not the peak.
-PEAK_PREFIXES = ("act", "rms", "attn_logit")
-
-
-class WandbPeaks(L.Callback):
-    """Each W&B run's summary of the ``PEAK_PREFIXES`` series is their maximum:
-    ``define_metric("act/*", summary="max")``, on rank 0 at setup, through
-    ``WandbLogger.experiment`` (Lightning's way to the run). The step metric stays the one
-    ``WandbLogger`` binds every key to (``trainer/global_step``). W&B applies the summary
-    when it receives the run (online, or ``wandb sync``); the offline file holds the
-    definition, and its own summary records are the last values."""
-
-    def setup(self, trainer, pl_module, stage):
-        from lightning.pytorch.loggers import WandbLogger
-
-        if not trainer.is_global_zero:
-            return
-        for lg in trainer.loggers:
-            if isinstance(lg, WandbLogger):
-                for p in PEAK_PREFIXES:
-                    step = {"step_metric": "trainer/global_step", "step_sync": True}
-                    lg.experiment.define_metric(f"{p}/*", summary="max", **step)

@@ -70,5 +70,7 @@ class LightningLoop:
         for lg in self.trainer.loggers:
             lg.log_metrics(metrics, step=step)
 
+    wandb_step_metric = "trainer/global_step"  # what WandbLogger binds every key to
+
     def wandb_runs(self) -> list[Any]:
         return [lg.experiment for lg in self.trainer.loggers if type(lg).__name__ == "WandbLogger"]

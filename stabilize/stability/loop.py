@@ -78,6 +78,10 @@ class Loop(Protocol):
     def wandb_runs(self) -> list[Any]:
         """The W&B runs the loop logs to (alerts and per-layer charts go there)."""
 
+    @property
+    def wandb_step_metric(self) -> str | None:
+        """The step metric the loop's W&B logger binds every key to (None: W&B's own)."""
+
 
 def dist_rank_world() -> tuple[int, int]:
     """``torch.distributed``'s rank and world size, or (0, 1) without it."""
@@ -113,6 +117,7 @@ class HandedLoop:
     sharded = fsdp = False
     replicas = 1  # every rank keeps a whole snapshot
     log_every = 10
+    wandb_step_metric = None
 
     def __init__(self, optimizer, scaler, schedulers: list, run_dir: str | Path):
         self.rank, self.world = dist_rank_world()

@@ -18,7 +18,7 @@ import torch
 from stabilize.monitors import SERIES_METRICS, Event, StepStats
 from stabilize.numerics import sum_of_squares_rms_limit
 from stabilize.stability.console import EventConsole
-from stabilize.stability.wandb_layers import LayerPanels
+from stabilize.stability.wandb_layers import PEAKS, LayerPanels
 
 # The step's scalars, logged on every optimizer step under these names (once logged only
 # every log_every_n_steps, a grad-norm peak of 13.7 showed up as 3.18). They are the host
@@ -43,6 +43,7 @@ class EventSink:
         self.counts = {"warn": 0, "skip": 0, "rollback": 0}  # counted on every rank
         self.console = EventConsole(rollback_on)
         self._rollbacks_at: dict[int, int] = {}  # model step -> rollback alerts sent
+        self._peaks_defined: set[int] = set()  # the W&B runs told their PEAKS
 
     def close(self, loop) -> None:
         """End of training (or an abort): the console's open episodes are summed up."""
@@ -106,9 +107,24 @@ class EventSink:
             # the step the loop's own rows use at this point, so per-layer rows line up
             # with train/loss in CSV and W&B
             step = loop.log_row
+            self._define_peaks(loop)
             loop.log(m, step)
             if layers:
                 self.layers.add(loop, m, step)
+
+    def _define_peaks(self, loop) -> None:
+        """Each W&B run's summary of the ``PEAKS`` series is their extreme
+        (``define_metric(..., summary=...)``, once per run), bound to the step metric the
+        loop's logger binds every key to. W&B applies it when it receives the run (online,
+        or at ``wandb sync``); the offline file holds the definition."""
+        for run in loop.wandb_runs():
+            if id(run) in self._peaks_defined:
+                continue
+            self._peaks_defined.add(id(run))
+            step = loop.wandb_step_metric
+            kw = {"step_metric": step, "step_sync": True} if step else {}
+            for prefix, how in PEAKS.items():
+                run.define_metric(f"{prefix}/*", summary=how, **kw)
 
     def _layer_metrics(
         self, s: StepStats, forecast: dict[str, float], dims: dict[str, int] | None

@@ -24,6 +24,13 @@ from __future__ import annotations
 import math
 import re
 
+# Per-layer series whose danger is their extreme (|x| max against 256, the largest row RMS
+# against 255.94 / sqrt(D), the attention logit, a quantized operand's clipping and its
+# lowest SQNR): the W&B runs table shows a key's summary, by default its last value, which
+# after a rollback or a recovery is not the one that mattered.
+PEAKS = {"act": "max", "rms": "max", "attn_logit": "max", "q_ratio": "max", "q_sat": "max",
+         "q_under": "max", "q_clip": "max", "q_sqnr": "min"}  # fmt: skip
+
 ALWAYS_SHOWN = ("train", "stability")  # the sink's own scalars: not per-layer
 
 
@@ -55,8 +62,9 @@ class LayerPanels:
         for prefix, keys in self.keys.items():
             if prefix not in self.hidden and len(keys) > self.limit:
                 self.hidden.add(prefix)
-                for exp in exps:
-                    exp.define_metric(f"{prefix}/*", hidden=True)
+                peak = {"summary": PEAKS[prefix]} if prefix in PEAKS else {}
+                for exp in exps:  # hidden, its summary kept (sink.py's PEAKS)
+                    exp.define_metric(f"{prefix}/*", hidden=True, **peak)
         self._seen += 1
         if (self._seen - 1) % self._stride:
             return
