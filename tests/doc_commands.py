@@ -86,6 +86,9 @@ COMMANDS: dict[str, str] = {
     "--out runs/mine",
     "repro-seeds": "scripts/repro_nan.sh --seeds 3",
     "repro-natural": "scripts/repro_nan.sh --experiment nan_repro_natural",
+    # docs/formats.md: the seed's question in 8 and 4 bits (tests/test_formats_scenario.py)
+    "formats-scenario": "scripts/repro_nan.sh --experiment formats --arms reference,"
+    "fp8_delayed16,fp8_delayed1024,fp8_current,mxfp8_floor,mxfp8_rceil,nvfp4 --cost-rounds 0",
     "one-arm": "stabilize-train experiment=nan_repro arm=large_eps",
     "nan12k-launch": "scripts/launch.sh --nproc-per-node 8 experiment=nan_at_12000 "
     "arm=baseline data=hub data.name=...",

@@ -7,7 +7,8 @@ forward, rollback and checkpoint state), registered by name (``base.register_fau
 
 Kinds: ``none``, ``nan_loss``, ``inf_grad``, ``grad_spike``, ``loss_spike`` (``point.py``),
 ``activation_drift`` (``drift.py``), ``stream_drift`` (``stream.py``), ``bitflip``,
-``poisoned_batch`` and ``poisoned_item`` (``silent.py``), ``biased_round`` (``rounding.py``).
+``poisoned_batch`` and ``poisoned_item`` (``silent.py``), ``biased_round`` (``rounding.py``),
+``value_growth`` (``value_growth.py``).
 Each has its config dataclass (``FaultConfig``'s common keys plus its own knobs);
 ``fault_config`` builds the one ``fault.kind`` names. To add one: subclass ``PointFault``
 (or ``Fault``), set ``kind`` and ``config`` (a ``FaultConfig`` subclass with its knobs),
@@ -35,6 +36,7 @@ from stabilize.faults.drift import ActivationDrift, ActivationDriftConfig
 from stabilize.faults.stream import StreamDrift
 from stabilize.faults.silent import BitFlip, BitFlipConfig, PoisonedBatch, PoisonedBatchConfig
 from stabilize.faults.rounding import BiasedRound, BiasedRoundConfig
+from stabilize.faults.value_growth import ValueGrowth, ValueGrowthConfig
 from stabilize.faults.injector import FaultInjector
 # isort: on
 
@@ -58,6 +60,8 @@ __all__ = [
     "PoisonedBatch",
     "PoisonedBatchConfig",
     "StreamDrift",
+    "ValueGrowth",
+    "ValueGrowthConfig",
     "fault_class",
     "fault_config",
     "fault_kinds",
