@@ -140,3 +140,33 @@ def test_a_saturating_delayed_gemm_is_rolled_back_and_a_wider_margin_ends_it(tmp
     assert all("flushed to 0" in e["message"] for e in after)
     assert [m.margin for m in model.modules() if isinstance(m, QuantLinear)] == [1, 1]
     assert sum(not v.apply for v in verdicts) == 1
+
+
+def test_between_log_steps_a_clipping_group_is_seen_off_the_casts_group_maxima(tmp_path):
+    """Log steps every 5: at step 2 (not a log step) the delayed scale is a step behind the
+    30% growth; the monitor sees it from the cast's group maxima alone (its tensor's one
+    group clipped), and on the log step 5 from the element share."""
+    model = _model("fp8_delayed", history=4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = stabilize.Guard(model, opt, run_dir=tmp_path, loss_fn=_loss, log_every=5,
+                            monitor={"loss_spike": {"enabled": False},
+                                     "grad_spike": {"enabled": False}},
+                            rollback={"enabled": False})  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for x in guard.batches([torch.randn(16, 64, generator=g) * 1.3**k for k in range(5)]):
+        loss = _loss(model, x)
+        loss.backward()
+        v = guard.before_step(loss)
+        seen.append((dict(guard.last.quant_saturated), dict(guard.last.quant_clipped)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    guard.close()
+    events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    first = next(e for e in events if e["monitor"] == "quant" and e["layer"] == "0.x")
+    assert first["step"] == 2 and "of its scale groups clipped" in first["message"]
+    sat2, clip2 = seen[1]
+    assert "0.x" not in sat2 and clip2["0.x"] == 1.0  # one group (the tensor), clipped
+    sat5, _ = seen[4]
+    assert sat5["0.x"] > 0  # the log step counts the elements
+    assert v.step == 5

@@ -4,7 +4,9 @@ does not end in NaN but in a clipped tensor and a quiet gap.
 Per operand (``<layer>.x``, ``.w``, ``.dy``), from its series on the probe's measured steps:
 
 - saturation: the share of its elements that saturation changed (counted before the cast,
-  which hides them: E4M3 has no inf and turns 480 into 448) above ``saturated``: a WARN, or
+  which hides them: E4M3 has no inf and turns 480 into 448) above ``saturated`` on a log
+  step; between log steps (read off the cast's group maxima, no pass over the tensor) any
+  scale group whose largest value clips: a WARN, or
   with ``on_saturation=rollback`` a ROLLBACK whose rungs (rollback/quant_remedies.py) change
   the layer or the recipe;
 - underflow: the share of non-zero elements that come back 0 above ``underflow`` (5%,
@@ -63,7 +65,7 @@ class QuantMonitorConfig:
 
 class QuantMonitor:
     name = "quant"
-    needs = ("quant_saturated", "quant_underflow", "quant_amax_ratio")
+    needs = ("quant_saturated", "quant_underflow", "quant_amax_ratio", "quant_clipped")
 
     @classmethod
     def from_config(cls, name: str, c: QuantMonitorConfig) -> QuantMonitor:
@@ -88,11 +90,18 @@ class QuantMonitor:
 
     def update(self, stats: StepStats) -> list[Event]:
         c, events = self.c, []
-        for op, share in stats.quant_saturated.items():
-            if self._once("saturated", op, share > c.saturated):
-                msg = (f"{op}: {share:.3%} of its elements saturated (changed by the cast to "
-                       "the format's max, no inf, no NaN: a quiet clip)")  # fmt: skip
-                events.append(self._event(self.kind, stats.step, op, msg, share, c.saturated))
+        for op in sorted(set(stats.quant_saturated) | set(stats.quant_clipped)):
+            share = stats.quant_saturated.get(op)
+            if share is not None:  # a log step: the share of elements
+                now, value, line = share > c.saturated, share, c.saturated
+                what = f"{share:.3%} of its elements saturated"
+            else:  # between them: the share of scale groups whose largest value clips
+                value, line = stats.quant_clipped[op], 0.0
+                now, what = value > 0, f"{value:.3%} of its scale groups clipped"
+            if self._once("saturated", op, now):
+                msg = (f"{op}: {what} (changed by the cast to the format's max, no inf, no "
+                       "NaN: a quiet clip)")  # fmt: skip
+                events.append(self._event(self.kind, stats.step, op, msg, value, line))
         for op, share in stats.quant_underflow.items():
             if self._once("underflow", op, share > c.underflow):
                 msg = f"{op}: {share:.2%} of its elements flushed to 0 by the cast"

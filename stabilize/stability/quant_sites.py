@@ -90,15 +90,18 @@ def measure(t: torch.Tensor, scheme: Scheme, qz: Quantized | None = None) -> tor
 
 
 def measure_light(qz: Quantized) -> torch.Tensor:
-    """Between log steps: the amax, its ratio to the format's max and the saturated share,
-    read off the layer's own cast (one pass); the other three not measured (-inf)."""
+    """Between log steps: from the layer's own cast, each scale group's largest value only
+    (its amax times its scale: no pass over the tensor): the amax, the largest value over
+    the format's max, and the share of groups whose largest value the cast clips; the
+    element shares and the SQNR not measured (-inf)."""
     with torch.no_grad():
-        fmt, mag = qz.scheme.fmt, qz.scaled.abs()
-        sat = overflows(mag, fmt).float().mean() if mag.numel() else mag.new_zeros(())
-        amax = qz.group_amax.amax() if mag.numel() else mag.new_zeros(())
-        ratio = mag.amax() / fmt.max if mag.numel() else mag.new_zeros(())
-        rest = torch.full((len(METRICS) - 3,), -math.inf, device=mag.device)
-        return torch.cat([torch.stack([amax, ratio, sat]).float(), rest])
+        fmt, a = qz.scheme.fmt, qz.group_amax.float()
+        top = a / qz.scale if qz.decode else a * qz.scale  # [G, 1]: each group's largest
+        ninf = torch.full((), -math.inf, device=a.device)
+        if not a.numel():
+            return torch.stack([ninf.clamp(min=0)] * 2 + [ninf] * 4)
+        clipped = overflows(top, fmt).float().mean()
+        return torch.stack([a.amax(), top.amax() / fmt.max, ninf, ninf, clipped, ninf])
 
 
 def unpack_sites(sites: list[QuantSite], values: list[float]) -> dict[str, dict[str, float]]:
@@ -122,8 +125,9 @@ def unpack_sites(sites: list[QuantSite], values: list[float]) -> dict[str, dict[
 def attach(probe, sites: list[QuantSite], offset: int) -> list:
     """The hooks that write each site's operands into ``probe.buf`` from ``offset`` on
     (training forwards; no host sync); their handles. Every count on logged steps; between
-    them, while a monitor reads the series, our ``QuantLinear``'s amax, ratio and saturated
-    share off its own cast (torchao's current scaling cannot saturate: not measured)."""
+    them, while a monitor reads the series, our ``QuantLinear``'s amax, ratio and clipped
+    groups off its own cast's group maxima (torchao's current scaling cannot saturate: not
+    measured)."""
 
     def write(o: int, t: torch.Tensor, scheme: Scheme, qz: Quantized | None = None) -> None:
         buf = probe.buf
