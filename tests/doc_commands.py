@@ -133,6 +133,8 @@ COMMANDS: dict[str, str] = {
     "bench-your-model": "python scripts/bench_your_model.py --rounds 64",
     "bench-guard": "python scripts/bench_guard.py --configs tiny --threads 1 --quads 8 "
     "--set model.d_model=512 model.n_head=8",
+    "bench-quant": "python scripts/bench_quant.py --configs tiny --threads 1 --rounds 4 "
+    "--block 5 --set model.d_model=512 model.n_head=8",
     "scenario-hf": "scripts/repro_nan.sh --arms reference,baseline --reference-seeds 2 -- "
     "model=hf model.hf.arch=llama",
 }

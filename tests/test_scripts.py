@@ -89,10 +89,13 @@ def test_bench_guard_prints_its_ratio_and_verdict_from_the_numbers_beside_it(tmp
 
 
 def test_bench_quant_prints_three_ratios_and_a_verdict_from_the_counts_ratio(tmp_path):
-    """One round of one-step blocks of the four loops: the verdict is the table's counts
-    ratio against the target."""
-    script = str(ROOT / "scripts" / "bench_quant.py")
-    args = ["--configs", "tiny", "--block", "1", "--rounds", "2", "--warmup", "1", "--threads", "1"]
+    """docs/design-formats.md's command, shrunk (width 64, two rounds of one-step blocks of
+    the four loops): the verdict is the table's counts ratio against the target."""
+    from doc_commands import doc_command
+
+    shown = shlex.split(doc_command("bench-quant"))
+    script = str(ROOT / shown[1])
+    args = [*shown[2:], "model.d_model=64", "--block", "1", "--rounds", "2", "--warmup", "1"]
     r = run_cli([sys.executable, script, *args], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| tiny |")]
