@@ -195,6 +195,21 @@ def holdout4() -> list[tuple[str, str, list[str]]]:
     return out
 
 
+def holdout5() -> list[tuple[str, str, list[str]]]:
+    """A fifth holdout (``--holdout5``), recorded and scored with no change to the forecast
+    between: what the forecast as it stands measures on runs it was never tuned on. Seeds 12
+    and 13 at LR 1.5e-2 and 4e-2 on every placement, 400-step healthy runs of the tiny model
+    (sandwich, post), the wide model on sandwich and post, an fp16 reduction on sandwich."""
+    out = []
+    for place in ("pre", "post", "sandwich", "deepnorm"):
+        out += [natural(lr, place, seed) for seed in (12, 13) for lr in (1.5e-2, 4e-2)]
+    for place in ("sandwich", "post"):
+        out += [healthy(place, "seed=12", tag="s12-long", lr=3e-3, steps=400)]
+    out += [natural(1.2e-2, p, 12, *WIDE, tag="w256d6") for p in ("sandwich", "post")]
+    out += [natural(2e-2, "sandwich", 12, *FP16_NATURAL, tag="fp16")]
+    return out
+
+
 def tags(overrides: list[str]) -> dict[str, str]:
     """The axes a run sits on, read from its overrides (BASE's values where it has none)."""
     kv = dict(o.split("=", 1) for o in overrides)

@@ -55,6 +55,7 @@ from benchmarks.forecast_set import (
     holdout2,
     holdout3,
     holdout4,
+    holdout5,
     tags,
     wide,
 )
@@ -70,7 +71,8 @@ from stabilize.monitors.forecast import FLAT_KEYS, ForecastConfig
 from stabilize.norms import Norm
 
 # the holdouts, each recorded before and scored after one change (benchmarks/forecast_set.py)
-HOLDOUTS = {"holdout": holdout, "holdout2": holdout2, "holdout3": holdout3, "holdout4": holdout4}
+HOLDOUTS = {"holdout": holdout, "holdout2": holdout2, "holdout3": holdout3, "holdout4": holdout4,
+            "holdout5": holdout5}  # fmt: skip
 
 
 class Recorder(L.Callback):
@@ -172,6 +174,9 @@ def main(argv=None) -> int:
     p.add_argument("--holdout4", action="store_true", help="also the fourth holdout "
                    "(forecast_set.holdout4: recorded before, scored after, the rule for the "
                    "sandwich placement's sublayer-output norms)")  # fmt: skip
+    p.add_argument("--holdout5", action="store_true", help="also the fifth holdout "
+                   "(forecast_set.holdout5: no change between its recording and its "
+                   "scoring)")  # fmt: skip
     p.add_argument("--holdouts-only", action="store_true", help="record (or score) only the "
                    "holdouts asked for, not core + wide")  # fmt: skip
     p.add_argument("--load", type=Path, help="score runs recorded by --save; no training")
