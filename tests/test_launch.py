@@ -73,6 +73,7 @@ def test_sweep_script_launches_each_member_with_torchrun(tmp_path):
             "--",
             "norm.eps=1e-6,1e-3",
             *SMALL,
+            "logger=wandb",  # FAST has none: the members' offline runs are read below
             "trainer.max_steps=2",
         ],
         cwd=tmp_path,
