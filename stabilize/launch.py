@@ -14,8 +14,10 @@ scripts/launch.sh runs this; everything else about torchrun is unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -62,8 +64,28 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code(codes)
         ranks = ", ".join(f"rank {r}: {c}" for r, c in [(root_rank, root.exitcode), *others])
         print(f"launch: {meaning(code)} (exit {code}; {ranks})", file=sys.stderr, flush=True)
+        if code == EXIT_CONFIG:
+            _discard_stopped_ranks()
         return code
     return 0
+
+
+def _discard_stopped_ranks() -> None:
+    """A config error writes nothing: each rank removes what Hydra made for it before the
+    app ran, but a rank torchrun stopped (with a signal, after rank 0 failed) may not have
+    got there. In a run dir that holds no run (no ``config.json``), its Hydra records
+    (``.hydra*``), log files and lock file go, then the dir if it is empty."""
+    run_dir = os.environ.get("STABILIZE_RUN_DIR")
+    d = Path(run_dir) if run_dir else None
+    if d is None or not d.is_dir() or (d / "config.json").exists():
+        return
+    for p in d.iterdir():
+        if p.name.startswith(".hydra") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.is_file() and (p.suffix == ".log" or p.name == ".lock"):
+            p.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        d.rmdir()  # only an empty dir
 
 
 def _preempted() -> bool:

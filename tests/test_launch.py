@@ -170,3 +170,28 @@ def test_launch_exits_2_on_a_config_error_and_writes_nothing(tmp_path):
     assert len(ours) == 1 and "fault.rank=2 is not allowed" in ours[0] and "0 .. 1" in ours[0]
     assert "launch: config error (exit 2" in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_error_leaves_no_stopped_ranks_hydra_files(tmp_path, monkeypatch):
+    """A rank torchrun stopped after rank 0's config error may not have removed what Hydra
+    made for it: the launcher removes those from a dir holding no run, and nothing else."""
+    from stabilize.launch import _discard_stopped_ranks
+
+    fresh, held = tmp_path / "fresh", tmp_path / "held"
+    for d in (fresh, held):
+        (d / ".hydra_rank1").mkdir(parents=True)
+        (d / ".hydra_rank1" / "config.yaml").write_text("x: 1\n")
+        (d / "train_rank1.log").write_text("a line\n")
+    (held / "config.json").write_text("{}")  # a run's own dir: left as it is
+    for d in (fresh, held):
+        monkeypatch.setenv("STABILIZE_RUN_DIR", str(d))
+        _discard_stopped_ranks()
+    assert not fresh.exists()
+    assert sorted(p.name for p in held.iterdir()) == [".hydra_rank1", "config.json",
+                                                     "train_rank1.log"]  # fmt: skip
+    keep = tmp_path / "mine"
+    (keep / ".hydra").mkdir(parents=True)
+    (keep / "notes.txt").write_text("the user's own file")
+    monkeypatch.setenv("STABILIZE_RUN_DIR", str(keep))
+    _discard_stopped_ranks()
+    assert [p.name for p in keep.iterdir()] == ["notes.txt"]  # not removed, dir kept
