@@ -128,3 +128,25 @@ def md_table(head: list[str], rows) -> list[str]:
 def print_table(head: list[str], rows) -> None:
     """Print a markdown table."""
     print("\n".join(md_table(head, rows)))
+
+
+def print_interleaved(results: list[dict], arm: str, key: str, target: float) -> None:
+    """The table and the verdicts of a step-interleaved pair (bench_interleaved.py,
+    bench_guard.py): per config its blocks' bare and ``arm`` ms/step (``bms``, ``key``), the
+    ratios' median and quartiles, then ``target <config>: ...`` judged on the median as
+    printed (3 decimals: the verdict never contradicts the number beside it)."""
+    print(f"| config | quads | bare ms/step | {arm} ms/step | ratio (median) | quartiles |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        q = statistics.quantiles(r["ratios"], n=4) if len(r["ratios"]) > 1 else r["ratios"] * 3
+        print(
+            f"| {r['name']} | {len(r['ratios'])} | {1000 * statistics.median(r['bms']):.1f} "
+            f"| {1000 * statistics.median(r[key]):.1f} | {statistics.median(r['ratios']):.3f} "
+            f"| {q[0]:.3f} to {q[2]:.3f} |"
+        )
+    print()
+    for r in results:
+        ratio = round(statistics.median(r["ratios"]), 3)
+        verdict = "PASS" if ratio >= target else "FAIL"
+        print(f"target {r['name']}: {arm} / bare, step-interleaved = {ratio:.3f} "
+              f"(>= {target}) {verdict}")  # fmt: skip

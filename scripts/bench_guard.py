@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from bench_step import AUTOCAST, bare_steps
 
 from benchmarks.lib import CONFIGS, add_run_args, compose_cfg, prepare, run_overrides
+from benchmarks.stats import print_interleaved
 
 TARGET = 0.97
 
@@ -79,21 +79,7 @@ def main() -> None:
         f"{torch.get_num_threads()} torch threads, load average {args.load:.1f} at start on "
         f"{os.cpu_count()} cores; the guarded loop's throughput / the bare loop's per quad\n"
     )
-    print("| config | quads | bare ms/step | Guard ms/step | ratio (median) | quartiles |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        q = statistics.quantiles(r["ratios"], n=4) if len(r["ratios"]) > 1 else r["ratios"] * 3
-        print(
-            f"| {r['name']} | {len(r['ratios'])} | {1000 * statistics.median(r['bms']):.1f} "
-            f"| {1000 * statistics.median(r['gms']):.1f} | {statistics.median(r['ratios']):.3f} "
-            f"| {q[0]:.3f} to {q[2]:.3f} |"
-        )
-    print()
-    for r in results:
-        ratio = round(statistics.median(r["ratios"]), 3)  # judged as printed
-        verdict = "PASS" if ratio >= TARGET else "FAIL"
-        print(f"target {r['name']}: Guard / bare, step-interleaved = {ratio:.3f} "
-              f"(>= {TARGET}) {verdict}")  # fmt: skip
+    print_interleaved(results, "Guard", "gms", TARGET)
 
 
 if __name__ == "__main__":

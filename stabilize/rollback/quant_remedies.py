@@ -99,22 +99,41 @@ class QuantMargin(Remedy):
             m.widen(times)
 
 
-class QuantCurrent(Remedy):
-    name = "quant_current"
+class _EachLayer(Remedy):
+    """A rung that changes every Linear ``select`` gives, the same way (``change``)."""
+
     sites = ("quant",)
+    none_left = ""  # why it would change nothing, when ``select`` gives none
+    key = ""  # its count's name in the rollback event
+
+    def select(self, model: nn.Module) -> list[QuantLinear]:
+        raise NotImplementedError
+
+    def change(self, m: QuantLinear) -> None:
+        raise NotImplementedError
 
     def unchanged(self, state: TrainState, cfg: None) -> str | None:
-        return None if _delayed(state.model) else "no Linear uses delayed scaling"
+        return None if self.select(state.model) else self.none_left
 
     def apply(self, state: TrainState, cfg: None) -> dict[str, Any]:
-        layers = _delayed(state.model)
+        layers = self.select(state.model)
         for m in layers:
-            m.to_current()
-        return {"current_scaling": len(layers)}
+            self.change(m)
+        return {self.key: len(layers)}
 
     def reapply(self, state: TrainState, cfg: None, times: int) -> None:
-        for m in _delayed(state.model):
-            m.to_current()
+        for m in self.select(state.model):
+            self.change(m)
+
+
+class QuantCurrent(_EachLayer):
+    name, key, none_left = "quant_current", "current_scaling", "no Linear uses delayed scaling"
+
+    def select(self, model: nn.Module) -> list[QuantLinear]:
+        return _delayed(model)
+
+    def change(self, m: QuantLinear) -> None:
+        m.to_current()
 
 
 def _floor(model: nn.Module) -> list[QuantLinear]:
@@ -123,22 +142,14 @@ def _floor(model: nn.Module) -> list[QuantLinear]:
             and m.scale_rounding == "floor"]  # fmt: skip
 
 
-class QuantRceil(Remedy):
-    name = "quant_rceil"
-    sites = ("quant",)
+class QuantRceil(_EachLayer):
+    name, key, none_left = "quant_rceil", "rceil", "no MX block scale is rounded down (FLOOR)"
 
-    def unchanged(self, state: TrainState, cfg: None) -> str | None:
-        return None if _floor(state.model) else "no MX block scale is rounded down (FLOOR)"
+    def select(self, model: nn.Module) -> list[QuantLinear]:
+        return _floor(model)
 
-    def apply(self, state: TrainState, cfg: None) -> dict[str, Any]:
-        layers = _floor(state.model)
-        for m in layers:
-            m.to_rceil()
-        return {"rceil": len(layers)}
-
-    def reapply(self, state: TrainState, cfg: None, times: int) -> None:
-        for m in _floor(state.model):
-            m.to_rceil()
+    def change(self, m: QuantLinear) -> None:
+        m.to_rceil()
 
 
 QUANT_RUNGS = ("quant_rceil", "quant_margin", "quant_current", "quant_bf16")
