@@ -65,6 +65,8 @@ def test_a_transient_nan_is_rolled_back_and_the_run_reaches_its_steps(kind, tmp_
     assert (rolled["step"], rolled["extra"]["restored_step"]) == (4, 2)
     assert rolled["extra"]["class"] == "transient" and rolled["extra"]["remedy"] == "retry"
     assert _finite(r.model)
+    # what the probe sees on a model we did not build, said once at start-up
+    assert r.console.count("[stability] LlamaForCausalLM: 2 blocks, 5 norms") == 1, r.console
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["status"] == "done" and result["model_step"] == r.model_step
     if kind == "hf":  # the Trainer's own count goes on; the model's is 2 steps short

@@ -260,3 +260,29 @@ def test_a_rolled_back_step_leaves_the_users_loop_and_scaler_going(tmp_path):
     # 10 batches: steps 1-3 applied, step 4 judged bad and the model back at step 2, then
     # 6 more applied
     assert json.loads((tmp_path / "run" / "result.json").read_text())["model_step"] == 8
+
+
+def test_the_amp_clipping_recipe_runs_under_the_guard(tmp_path):
+    """torch's AMP recipe: unscale_, clip, then the Guard judges (it reads that the scaler
+    already unscaled and does not again: a second unscale_ raises) and the scaler steps.
+    The norm the monitors judged is the clipped one."""
+    model = build("fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    guard = stabilize.Guard(model, opt, scaler, run_dir=tmp_path / "run", loss_fn=lm_loss)
+    norms = []
+    for step, batch in enumerate(guard.batches(_data()), 1):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = lm_loss(model, batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        assert guard.before_step(loss).apply
+        norms.append(guard.last.grad_norm)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if step == 3:
+            break
+    guard.close()
+    assert guard.model_step == 3 and all(n <= 0.5 + 1e-4 for n in norms), norms

@@ -101,7 +101,7 @@ class StabilityCallback(L.Callback):
         loop = LightningLoop(trainer)
         self._own_host(trainer, pl_module, loop)  # a refused module makes no dir
         self.engine.settle(self.run_dir, self.accumulate)
-        self.engine.setup(loop, self.host, self._blocks)
+        self.engine.setup(loop, self.host, self._blocks, describe=self._driven)
 
     def _own_host(self, trainer: L.Trainer, pl_module: L.LightningModule,
                   loop: LightningLoop) -> None:  # fmt: skip
