@@ -85,6 +85,9 @@ def test_the_documented_command_shrunk_reports_what_each_format_hid(tmp_path):
             v, where, step = _extreme(metrics, prefix, pick)
             want = "0" if v == 0 and "%" in fmt else f"{fmt.format(v)} ({where}, step {step})"
             assert row[column] == want, (arm, column)
+            if column == "min SQNR (dB)":  # said in words too, with the same number
+                assert f"its lowest SQNR {v:.1f} dB ({where}, step {step})" in row["what it hides"]
+        assert "held-out gap" not in row["what it hides"]  # the gap columns say that
         # the verdict's words and the gap beside them
         assert "fix" not in row["verdict"]
         inside = row["inside band"] == "yes"

@@ -24,8 +24,7 @@ import math
 from dataclasses import dataclass
 
 from stabilize.report.load import Run
-from stabilize.report.verdict import TAIL, Reference, Verdict
-from stabilize.report.verdict import _gap as gap_words
+from stabilize.report.verdict import TAIL, Reference, Verdict, gap_words
 
 # the column's name, the series prefix, and which end of the run counts (max, or min)
 COLUMNS = (
@@ -40,7 +39,8 @@ NOTE = (
     "step, the largest share of values past the format's max after scaling (counted before "
     "the cast, which clips them to the max), of blocks clipped so (block formats), of non-zero "
     "values flushed to 0, and the lowest SQNR of a quantized operand against its "
-    "high-precision value; in brackets the operand and step. `-`: not a quantized arm."
+    "high-precision value; in brackets the operand and step. `-`: not a quantized arm. "
+    "*what it hides*, for a quantized arm: the same four, in words."
 )
 
 
@@ -157,6 +157,8 @@ def judge_quant(runs: list[Run], ref: Reference | None, vs: list[Verdict]) -> di
     hides = {r.arm: h for r in runs if (h := quant_hides(r)) is not None}
     for v in vs:
         h = hides.get(v.arm)
+        if h is not None:  # what its format hid, not the gap the columns before give
+            v.hides = hidden_words(h)
         if h is not None and ref is not None and v.nan_stopped and not v.dies:
             v.label, v.words = quant_words(v.arm, v, h, ref.band("bpb"))
     return hides

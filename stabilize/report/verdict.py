@@ -246,7 +246,7 @@ def steps_text(steps: list[int]) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
-def _gap(v: Verdict) -> str:
+def gap_words(v: Verdict) -> str:
     bits = []
     if v.gap_bpb is not None and math.isfinite(v.gap_bpb):
         bits.append(f"{v.gap_bpb:+.3f} bpb held out{_sigma(v.sigma_bpb)}")
@@ -330,17 +330,17 @@ def words(a: ArmSummary, f: Facts, v: Verdict, ref: Reference | None) -> tuple[s
         return label, f"{a.arm} stops the NaN; there is no reference arm to judge its training by."
     if v.inside is None:
         return "stops the NaN (no spread to judge)", (
-            f"{a.arm} stops the NaN; gap to the reference {_gap(v)}, with 1 reference seed: "
+            f"{a.arm} stops the NaN; gap to the reference {gap_words(v)}, with 1 reference seed: "
             "no spread to tell it from seed noise."
         )
     lo, hi = ref.band("bpb")
     band = f"the reference's {ref.seeds}-seed band {lo:.3f}-{hi:.3f} bpb"
     if v.inside:
         return "fixes it", (
-            f"{a.arm} fixes it: no NaN, and it trains like the reference ({_gap(v)}; {band})."
+            f"{a.arm} fixes it: no NaN, and it trains like the reference ({gap_words(v)}; {band})."
         )
     return "stops the NaN, trains worse", (
-        f"{a.arm} stops the NaN but trains worse than the reference ({_gap(v)}; {band}, "
+        f"{a.arm} stops the NaN but trains worse than the reference ({gap_words(v)}; {band}, "
         f"its held-out bpb {a.heldout_bpb:.3f})."
     )
 
