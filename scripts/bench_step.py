@@ -91,10 +91,11 @@ def lm_batch_loss(model, batch) -> torch.Tensor:
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
-def bare_steps(cfg: RunConfig, guard_dir: Path | None = None):
+def bare_steps(cfg: RunConfig, guard_dir: Path | None = None, patch=None):
     """The bare loop, one optimizer step per ``next()``: yields the step's loss tensor.
     ``guard_dir``: the same loop under ``stabilize.Guard`` (the run's monitor and rollback
-    settings; the Guard unscales, judges and clips where the bare loop unscales and clips)."""
+    settings; the Guard unscales, judges and clips where the bare loop unscales and clips);
+    ``patch``: called with that Guard once built (bench_cost.py's parts)."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)  # as run() does
     device = torch.device(resolve_accelerator(cfg.trainer.accelerator))
     model = build_run_model(cfg).to(device).train()  # its quant section applied too
@@ -119,6 +120,8 @@ def bare_steps(cfg: RunConfig, guard_dir: Path | None = None):
                                 loss_fn=lm_batch_loss, clip=o.grad_clip, monitor=cfg.monitor,
                                 rollback=cfg.rollback,
                                 log_every=cfg.trainer.log_every_n_steps)  # fmt: skip
+        if patch is not None:
+            patch(guard)
     params = list(model.parameters())
     for x, y in guard.batches(loader) if guard is not None else loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)

@@ -1,6 +1,7 @@
 """A fused CPU RMSNorm/ScaleNorm (fp32 statistics), built from C++ (``csrc/cpu_kernels.cpp``,
 shipped in the wheel) with ``torch.utils.cpp_extension.load``; ``absmax_into``, the
-monitors' one-pass |x| max; and ``head_norm_max``, the attention bound's per-head row norm.
+monitors' one-pass |x| max; ``head_norm_max``, the attention bound's per-head row norm; and
+``adamw_sums``, the per-block update ratio's sums in one pass.
 
 Why: on CPU, ``F.rms_norm`` is unfused and inductor will not fuse RMSNorm's dgamma column
 reduction into the dx row loop, so the ``compiled`` backend ran ~1.3x ``F.layer_norm`` in
@@ -309,6 +310,28 @@ def head_norm_max(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.float64:
         x = x.float()
     return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).amax(dim=(0, 2))
+
+
+def adamw_sums(p, g, state: dict, group: dict, coef: float) -> torch.Tensor | None:
+    """[sum of the squared AdamW change, of p^2, of g^2 / v_hat] (fp32, summed in float64)
+    for the step about to be
+    taken on ``p`` with gradient ``coef * g``: ``param_stats.adamw_terms``'s three sums from
+    one read of p, g and the moments, on CPU for fp32 contiguous tensors once the kernel is
+    built (this never builds it); None elsewhere (the caller runs the torch ops)."""
+    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+    ts = (p, g) if not state else (p, g, m, v)
+    if (
+        any(t is None or not t.is_cpu or t.dtype != torch.float32 or not t.is_contiguous()
+            for t in ts)  # fmt: skip
+        or torch.compiler.is_compiling()
+        or (ext := ready(start=False)) is None
+    ):
+        return None
+    step = float(state["step"]) + 1 if state else 1.0
+    b1, b2 = group["betas"]
+    out = ext.adamw_sums(p, g, m if state else p, v if state else p, bool(state), coef,
+                         group["lr"], group["weight_decay"], group["eps"], b1, b2, step)  # fmt: skip
+    return out.float()
 
 
 def fused_rms_norm(kind, x, weight, eps, act):

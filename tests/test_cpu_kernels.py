@@ -485,3 +485,71 @@ def test_the_fallbacks_read_16_bit_inputs_in_place_and_match_float64(monkeypatch
     q[0, 2, 0, 0] = float("nan")
     nan = cpu_kernels.head_norm_max(q)
     assert math.isnan(nan[2].item()) and not nan[:2].isnan().any()
+
+
+# ---- adamw_sums: the per-block update ratio's sums in one pass ---------------------------
+def _adamw_sums64(p, g, state, group, coef):
+    """The three sums by hand in float64: torch's AdamW update (decoupled decay, bias-
+    corrected moments) for the gradient coef * g, before it is applied."""
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    b1, b2 = group["betas"]
+    t = float(state["step"]) + 1 if state else 1.0
+    p, g = p.double(), g.double() * coef
+    m = state["exp_avg"].double() if state else torch.zeros_like(p)
+    v = state["exp_avg_sq"].double() if state else torch.zeros_like(p)
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    vhat = v / (1 - b2**t)
+    change = lr * wd * p + lr / (1 - b1**t) * m / (vhat.sqrt() + eps)
+    ratio = torch.where(vhat > 0, g * g / vhat, torch.zeros_like(g))
+    return [change.square().sum().item(), p.square().sum().item(), ratio.sum().item()]
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_adamw_sums_match_a_float64_adamw_by_hand(kernel, with_state):
+    gen = torch.Generator().manual_seed(3)
+    n = 70_001  # several chunks and a ragged tail
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
+    g[:100] = 0.0  # v_hat 0 on the first step: ratio 0 there
+    group = {"lr": 3e-4, "weight_decay": 0.1, "eps": 1e-8, "betas": (0.9, 0.95)}
+    state = {}
+    if with_state:
+        state = {"step": torch.tensor(6.0), "exp_avg": torch.randn(n, generator=gen) * 1e-3,
+                 "exp_avg_sq": torch.rand(n, generator=gen) * 1e-6}  # fmt: skip
+    got = cpu_kernels.adamw_sums(p, g, state, group, 0.37)
+    want = _adamw_sums64(p, g, state, group, 0.37)
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx(want, rel=1e-5)
+
+
+def test_adamw_sums_leave_what_they_cannot_read_to_torch(kernel):
+    group = {"lr": 1e-3, "weight_decay": 0.0, "eps": 1e-8, "betas": (0.9, 0.999)}
+    p = torch.randn(8, 4)
+    assert cpu_kernels.adamw_sums(p.bfloat16(), p.bfloat16(), {}, group, 1.0) is None
+    assert cpu_kernels.adamw_sums(p.t(), p.t(), {}, group, 1.0) is None  # not contiguous
+    assert cpu_kernels.adamw_sums(p.double(), p.double(), {}, group, 1.0) is None
+
+
+def test_block_update_ratios_are_the_same_through_the_kernel_and_torch(kernel):
+    """The probe's per-block gradient norm, update ratio and g^2 / v_hat: the kernel's path
+    (keep=False) against the torch ops' (keep=True, which the curvature needs), a real
+    AdamW three steps in, clipping on."""
+    from stabilize.model import GPT, GPTConfig
+    from stabilize.stability.param_stats import block_grad_update_norms, param_groups_by_block
+    from stabilize.stability.view import view_of
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=4, vocab_size=64, block_size=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(4):
+        opt.zero_grad()
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        if _ < 3:
+            opt.step()
+    groups, index = param_groups_by_block(model, view_of(model))
+    idx = torch.tensor(index)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    fast = block_grad_update_norms(groups, idx, opt, norm, 0.5 * norm.item())
+    slow = block_grad_update_norms(groups, idx, opt, norm, 0.5 * norm.item(), keep=True)
+    for a, b in zip(fast[:4], slow[:4], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)

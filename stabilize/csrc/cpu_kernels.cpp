@@ -402,10 +402,74 @@ at::Tensor head_norm_max(const at::Tensor& x) {
   return out;
 }
 
+// ---- AdamW's step, summed before it is taken ----
+SN_CLONES static void adamw_run(const float* P, const float* G, const float* M, const float* V,
+                                int64_t i0, int64_t i1, float fc, float w1, float fb2, float w2,
+                                float bc2, float fe, float decay, float gain, float* out) {
+  float su = 0.f, sw = 0.f, sr = 0.f;
+#pragma omp simd reduction(+ : su, sw, sr)
+  for (int64_t i = i0; i < i1; ++i) {
+    const float gi = G[i] * fc, gg = gi * gi;
+    const float mi = M ? M[i] + w1 * (gi - M[i]) : gi * w1;
+    const float vi = V ? V[i] * fb2 + gg * w2 : gg * w2;
+    const float vh = vi / bc2;
+    const float ch = P[i] * decay + mi / (std::sqrt(vh) + fe) * gain;
+    su += ch * ch;
+    sw += P[i] * P[i];
+    sr += vh > 0.f ? gg / vh : 0.f;
+  }
+  out[0] = su, out[1] = sw, out[2] = sr;
+}
+// adamw_sums: p, g, m, v: fp32, contiguous, the same numel (m, v: AdamW's exp_avg / exp_avg_sq; with
+// has_state false they are not read: the first step's moments start at 0). c: the clipping
+// coefficient the step will apply to g. Per element, in fp32 as param_stats.adamw_terms
+// computes it: m' = lerp(m, c g, 1 - b1), v' = b2 v + (1 - b2) (c g)^2, vhat = v' / bc2,
+// change = lr wd p + m' / (sqrt(vhat) + eps) * lr / bc1, ratio = (c g)^2 / vhat (0 where vhat
+// is 0). Returns float64 [3]: the sums of change^2, p^2 and ratio (fp32 over 256 elements,
+// then double, the chunks in a fixed order: thread-count independent). One read of each
+// array where the torch ops made ~20 passes and as many temporaries.
+at::Tensor adamw_sums(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
+                      const at::Tensor& v, bool has_state, double c, double lr, double wd,
+                      double eps, double b1, double b2, double step) {
+  const int64_t n = p.numel();
+  TORCH_CHECK(p.scalar_type() == at::kFloat && g.scalar_type() == at::kFloat &&
+              p.is_contiguous() && g.is_contiguous() && g.numel() == n, "adamw_sums: p, g");
+  TORCH_CHECK(!has_state || (m.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              m.is_contiguous() && v.is_contiguous() && m.numel() == n && v.numel() == n),
+              "adamw_sums: m, v");
+  const float fc = float(c), w1 = float(1.0 - b1), fb2 = float(b2), w2 = float(1.0 - b2);
+  const float bc2 = float(1.0 - std::pow(b2, step)), fe = float(eps);
+  const float decay = float(lr * wd), gain = float(lr / (1.0 - std::pow(b1, step)));
+  const float* P = p.data_ptr<float>();
+  const float* G = g.data_ptr<float>();
+  const float* M = has_state ? m.data_ptr<float>() : nullptr;
+  const float* V = has_state ? v.data_ptr<float>() : nullptr;
+  constexpr int64_t kChunk = 1 << 14;
+  const int64_t nc = std::max<int64_t>((n + kChunk - 1) / kChunk, 1);
+  std::vector<double> part(3 * nc, 0.0);
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t k = c0; k < c1; ++k) {
+      const int64_t i0 = k * kChunk, i1 = std::min(n, i0 + kChunk);
+      double su = 0.0, sw = 0.0, sr = 0.0;
+      for (int64_t j = i0; j < i1; j += 256) {  // fp32 partials of 256, summed in double
+        float a[3];
+        adamw_run(P, G, M, V, j, std::min(i1, j + 256), fc, w1, fb2, w2, bc2, fe, decay, gain, a);
+        su += a[0], sw += a[1], sr += a[2];
+      }
+      part[3 * k] = su, part[3 * k + 1] = sw, part[3 * k + 2] = sr;
+    }
+  });
+  at::Tensor out = at::zeros({3}, p.options().dtype(at::kDouble));
+  double* o = out.data_ptr<double>();
+  for (int64_t k = 0; k < nc; ++k) o[0] += part[3 * k], o[1] += part[3 * k + 1], o[2] += part[3 * k + 2];
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // wrap_pybind_function: a TORCH_CHECK failure is a Python RuntimeError, as load_inline did
   m.def("rms_forward", torch::wrap_pybind_function(rms_forward), "rms_forward");
   m.def("rms_backward", torch::wrap_pybind_function(rms_backward), "rms_backward");
   m.def("absmax_into", torch::wrap_pybind_function(absmax_into), "absmax_into");
   m.def("head_norm_max", torch::wrap_pybind_function(head_norm_max), "head_norm_max");
+  m.def("adamw_sums", torch::wrap_pybind_function(adamw_sums), "adamw_sums");
 }

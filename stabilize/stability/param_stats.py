@@ -21,6 +21,8 @@ import math
 import torch
 from torch import nn
 
+from stabilize.cpu_kernels import adamw_sums
+
 ROWS = 64  # query rows sampled per sequence for the entropy
 
 
@@ -108,9 +110,23 @@ def block_grad_update_norms(
         return grad, none, none, torch.full((2,), -1.0, device=dev), None
     coef = (max_norm / (grad_norm.float() + 1e-6)).clamp(max=1.0) if max_norm > 0 else None
     owner = {id(p): gr for gr in optimizer.param_groups for p in gr["params"]}
+    # the three sums from one C++ pass per parameter where it runs (CPU, fp32): ~20 torch
+    # passes and their temporaries were most of a log step's monitoring on CPU
+    fast = not keep and dev.type == "cpu"
+    cf = (1.0 if coef is None else float(coef)) if fast else 1.0
     usq, wsq, rsum, count, kept = [], [], [], [], []
     for p, g in zip(params, grads, strict=True):
-        w = p.detach().float()
+        w = p.detach()
+        if g is not None and id(p) in owner and fast:
+            sums = adamw_sums(w, g, optimizer.state.get(p, {}), owner[id(p)], cf)
+            if sums is not None:
+                usq.append(sums[0])
+                wsq.append(sums[1])
+                rsum.append(sums[2])
+                count.append(torch.full((), float(g.numel()), device=dev))
+                kept.append(None)
+                continue
+        w = w.float()
         wsq.append(w.square().sum())
         if g is None or id(p) not in owner:
             usq.append(zero)

@@ -1,0 +1,142 @@
+"""What the harness costs a user, part by part: each adapter and each part of the engine
+against the bare loop, step-interleaved in one process.
+
+    python scripts/bench_cost.py [--quick] [--configs tiny,wide] [--block 5] [--rounds 12]
+                                 [--threads 1] [--no-parts] [--set KEY=VALUE ...]
+
+One real ``stabilize.train.run`` (the Lightning path, every default on: monitors, rollback
+snapshots, checkpoints, the CSV and W&B offline loggers) drives; from a callback at the end
+of its blocks the other arms run theirs, each its own model on the same GPTConfig, data,
+AdamW, LR schedule, clipping and precision (bench_step.py's ``bare_steps``): the bare loop;
+the same loop under ``stabilize.Guard`` with every default on; and, unless ``--no-parts``,
+one Guard per part of the engine with that part off, and one with every part off
+(benchmarks/cost.py's PARTS). A round is: a Lightning block, each other arm's block in
+order, the same in reverse, a Lightning block; each arm runs two blocks of ``--block``
+steps a round (at the defaults one log step and one snapshot), and their positions mirror,
+so a drift of the shared machine that is linear over the round hits every arm alike. The
+order turns by one arm each round: the arm in the middle runs its two blocks back to back
+(its model still in the cache), and each arm is that one in as many rounds.
+Per round an arm's ratio is (the bare loop's time per step) / (its own); a part's share is
+the full Guard's cost minus the cost of the Guard with that part off, in points of a bare
+step. Medians over rounds, quartiles beside them. Lightning's time is the interval between
+its own step ends minus the other arms' blocks run in it.
+
+Targets, per config: the full path (Lightning, and the Guard) >= 0.95 of the bare loop at
+tiny, >= 0.985 at wide (width 512: the harness <= 1.5 points of a step). The Lightning
+loop's own share is measured by running again with ``--set monitor=off rollback=off``
+(every arm then has the harness off: the ratio is Lightning's loop alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
+import lightning as L
+import torch
+from bench_step import AUTOCAST, bare_steps
+
+from benchmarks.cost import ALL_OFF, PARTS, Times, adapter_rows, print_parts, ratios
+from benchmarks.lib import CONFIGS, add_run_args, compose_cfg, prepare, run_overrides, train_with
+from benchmarks.stats import md_table
+
+TARGETS = {"tiny": 0.95, "wide": 0.985}  # others: 0.97
+ADAPTERS = [("lightning", "Lightning path (StabilityCallback, loggers, checkpoints)"),
+            ("guard", "plain loop under Guard")]  # fmt: skip
+
+
+class Rounds(L.Callback):
+    """Times Lightning's blocks and runs every other arm's between them."""
+
+    def __init__(self, arms: dict, block: int, warmup: int, rounds: int):
+        self.arms, self.block, self.warmup, self.n = arms, block, warmup, rounds
+        self.times = Times()
+        self.last: float | None = None
+        self.steps, self.l_time, self.l_blocks = 0, 0.0, 0
+
+    def on_train_start(self, trainer, pl_module):
+        for steps in self.arms.values():  # every arm's first slow steps, out of the window
+            for _ in range(self.warmup):
+                next(steps)
+
+    def _run(self, name: str) -> None:
+        t0 = time.perf_counter()
+        for _ in range(self.block):
+            loss = next(self.arms[name])
+        loss.item()  # the block's work done (a device sync on CUDA)
+        self.times.add(name, (time.perf_counter() - t0) / self.block)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        now = time.perf_counter()
+        if trainer.global_step <= self.warmup or self.l_blocks >= 2 * self.n:
+            self.last = now
+            return
+        self.l_time += now - self.last
+        self.steps += 1
+        if self.steps % self.block == 0:
+            if self.l_blocks % 2 == 0:
+                self.times.rounds.append({})
+            self.times.add("lightning", self.l_time / self.block)
+            self.l_time, self.l_blocks = 0.0, self.l_blocks + 1
+            if self.l_blocks % 2 == 1:  # the round's first Lightning block: the others now
+                order, r = list(self.arms), len(self.times.rounds) - 1
+                order = order[r % len(order) :] + order[: r % len(order)]
+                for name in order + order[::-1]:
+                    self._run(name)
+        self.last = time.perf_counter()
+
+
+def bench(name: str, args, tmp: Path) -> list[dict[str, float]]:
+    total = args.warmup + 2 * args.block * args.rounds + 1
+    base = [*run_overrides(CONFIGS[name], args.precision, total, "wandb"), *args.set]
+    cfg = compose_cfg(str(tmp / name), base)
+    arms = {"bare": bare_steps(cfg), "guard": bare_steps(cfg, guard_dir=tmp / f"{name}-g")}
+    for i, p in enumerate([] if args.no_parts else [*PARTS, ALL_OFF]):
+        pcfg = compose_cfg(str(tmp / name), [*base, *p.overrides])
+        arms[p.arm] = bare_steps(pcfg, guard_dir=tmp / f"{name}-p{i}", patch=p.patch)
+    clock = Rounds(arms, args.block, args.warmup, args.rounds)
+    train_with(cfg, clock)
+    return clock.times.complete()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(ap, CONFIGS, repeats=1, pairs="(unused here)")
+    ap.add_argument("--precision", default="fp32", choices=sorted(AUTOCAST))
+    ap.add_argument("--block", type=int, default=5, help="steps per block (two a round)")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds timed")
+    ap.add_argument("--no-parts", action="store_true", help="the adapters only")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="Hydra overrides, every arm")  # fmt: skip
+    args = ap.parse_args()
+    names = prepare(ap, args, CONFIGS)
+    if args.quick:
+        args.rounds = min(args.rounds, 3)
+    with tempfile.TemporaryDirectory(prefix="bench_cost-") as tmp:
+        results = {n: bench(n, args, Path(tmp)) for n in names}
+    print(f"\n{args.precision}, {args.rounds} rounds of two blocks of {args.block} steps per "
+          f"arm, {torch.get_num_threads()} torch threads, load average {args.load:.1f} at "
+          f"start on {os.cpu_count()} cores{', --set ' + ' '.join(args.set) if args.set else ''}")
+    for n, rounds in results.items():
+        print(f"\n{n}: each adapter's throughput / the bare loop's, per round\n")
+        head = ["adapter", "rounds", "bare ms/step", "its ms/step", "ratio (median)",
+                "quartiles"]  # fmt: skip
+        print("\n".join(md_table(head, adapter_rows(rounds, ADAPTERS))))
+        if not args.no_parts:
+            print(f"\n{n}: the Guard's cost, part by part (points of a bare step)\n")
+            print_parts(rounds, [*PARTS])
+        print()
+        target = TARGETS.get(n, 0.97)
+        for arm, words in ADAPTERS:
+            r = round(statistics.median(ratios(rounds, arm)), 3)
+            print(f"target {n}: {arm} / bare = {r:.3f} (>= {target}) "
+                  f"{'PASS' if r >= target else 'FAIL'}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
