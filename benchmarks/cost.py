@@ -9,9 +9,13 @@ attribute: the other arms keep the class's method), for parts no setting turns o
 
 from __future__ import annotations
 
+import random
 import statistics
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
+import stabilize.stability.probe as probe_module
 from benchmarks.stats import md_table
 
 
@@ -21,7 +25,8 @@ def _no_op(*args, **kwargs):
 
 def _no_params(guard) -> None:
     """The log-step statistics (per-block gradient norm, update ratio, g^2 / v_hat) off."""
-    guard.engine.probe.record_params = _no_op
+    if guard.engine.probe is not None:
+        guard.engine.probe.record_params = _no_op
 
 
 def _no_verdicts(guard) -> None:
@@ -52,33 +57,135 @@ LOGITS = (
     "monitor.log_z.enabled=false",
 )
 PARTS = (
-    Part("the logit monitors (attention bound every step, head entropy, log Z)", LOGITS,
-         how="`" + " ".join(LOGITS) + "`"),  # fmt: skip
-    Part("the log-step statistics (per-block gradient norm, update ratio, g^2/v)",
-         patch=_no_params, how="`probe.record_params` a no-op"),  # fmt: skip
-    Part("the monitors' verdicts (windows, forecasts)", patch=_no_verdicts,
-         how="`suite.update` returns no event"),  # fmt: skip
-    Part("the step's logs (metrics.csv, per-layer rows)", patch=_no_logs,
-         how="`engine.log_stats` a no-op"),  # fmt: skip
-    Part("the snapshots (memory ring every 10 steps)", ("rollback.enabled=false",),
-         how="`rollback.enabled=false`"),  # fmt: skip
+    Part(
+        "the logit monitors (attention bound every step, head entropy, log Z)",
+        LOGITS,
+        how="`" + " ".join(LOGITS) + "`",
+    ),  # fmt: skip
+    Part(
+        "the log-step statistics (per-block gradient norm, update ratio, g^2/v)",
+        patch=_no_params,
+        how="`probe.record_params` a no-op",
+    ),  # fmt: skip
+    Part(
+        "the monitors' verdicts (windows, forecasts)",
+        patch=_no_verdicts,
+        how="`suite.update` returns no event",
+    ),  # fmt: skip
+    Part(
+        "the step's logs (metrics.csv, per-layer rows)",
+        patch=_no_logs,
+        how="`engine.log_stats` a no-op",
+    ),  # fmt: skip
+    Part(
+        "the snapshots (memory ring every 10 steps)",
+        ("rollback.enabled=false",),
+        how="`rollback.enabled=false`",
+    ),  # fmt: skip
 )
-ALL_OFF = Part("every part at once (the whole engine)", ("monitor=off", "rollback=off"), how="`monitor=off rollback=off`")
+ALL_OFF = Part("every part at once (the whole engine)", ("monitor=off", "rollback=off"),
+               how="`monitor=off rollback=off`")  # fmt: skip
+
+
+# The parts timed directly inside the full Guard's blocks: (its words, the objects' methods)
+TIMED = {
+    "hooks": "the forward hooks' passes (largest magnitudes, the attention bound, entropy rows)",
+    "record_params": "the log-step statistics",
+    "gather": "the gather and its host sync (net of the log-step statistics)",
+    "update": "the monitors' verdicts",
+    "log_stats": "the step's logs",
+    "snapshot": "the snapshots",
+}
+_HOOK_FNS = ("absmax_into", "head_norm_max", "sampled_queries", "lowest_head_entropy")
+
+
+class PartClock:
+    """perf_counter around the engine's parts, in one Guard's blocks only (``active``):
+    instance attributes on that Guard's engine, probe and suite; the probe module's pass
+    functions wrapped once (the hooks call them by their module name), counting only
+    while this clock is active."""
+
+    def __init__(self):
+        self.spent: defaultdict[str, float] = defaultdict(float)
+        self.steps = 0
+        self.active = False
+        self._depth = 0
+
+    def _timed(self, key: str, fn):
+        def wrapped(*args, **kwargs):
+            if not self.active:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[key] += time.perf_counter() - t0
+
+        return wrapped
+
+    def attach(self, guard) -> None:
+        e = guard.engine
+        e.gather_step = self._timed("gather", e.gather_step)
+        if e.probe is not None:  # monitor=off: no probe
+            e.probe.record_params = self._timed("record_params", e.probe.record_params)
+        e.suite.update = self._timed("update", e.suite.update)
+        e.log_stats = self._timed("log_stats", e.log_stats)
+        e.snapshot = self._timed("snapshot", e.snapshot)
+        for name in _HOOK_FNS:
+            setattr(probe_module, name, self._timed("hooks", getattr(probe_module, name)))
+
+    def per_step_ms(self) -> dict[str, float]:
+        """ms per step of each part (the gather's net of the statistics it calls)."""
+        ms = {k: 1000 * v / max(self.steps, 1) for k, v in self.spent.items()}
+        ms["gather"] = ms.get("gather", 0.0) - ms.get("record_params", 0.0)
+        return {k: ms.get(k, 0.0) for k in TIMED}
 
 
 @dataclass
 class Times:
-    """Seconds per step of each arm's blocks, per round: {arm: [[block, block], ...]}."""
+    """Each arm's step times (seconds), per round: {arm: [the steps of its blocks, in order]}."""
 
     rounds: list[dict[str, list[float]]] = field(default_factory=list)
 
-    def add(self, arm: str, seconds_per_step: float) -> None:
-        self.rounds[-1].setdefault(arm, []).append(seconds_per_step)
+    def add(self, arm: str, steps: list[float]) -> None:
+        self.rounds[-1].setdefault(arm, []).extend(steps)
 
-    def complete(self) -> list[dict[str, float]]:
-        """Per complete round, each arm's mean time per step over its two blocks."""
-        full = [r for r in self.rounds if r and all(len(v) == 2 for v in r.values())]
-        return [{a: sum(v) / 2 for a, v in r.items()} for r in full]
+    def complete(self, per_round: int) -> list[dict[str, list[float]]]:
+        """The rounds in which every arm ran its ``per_round`` steps."""
+        return [r for r in self.rounds if r and all(len(v) == per_round for v in r.values())]
+
+
+def robust_ms(rounds: list[dict[str, list[float]]], arm: str) -> float:
+    """``arm``'s time per step, robust to the shared machine's stalls: per position in the
+    round (an arm's steps line up round to round: the log step and the snapshot fall at the
+    same positions), the median over rounds; their mean. Periodic work counts in full, a
+    stall that hits one block at one position is dropped."""
+    n = len(rounds[0][arm])
+    return statistics.fmean(statistics.median(r[arm][i] for r in rounds) for i in range(n))
+
+
+def boot(rounds, fn, draws: int = 400) -> tuple[float, float, float]:
+    """``fn(rounds)`` and a 90% bootstrap interval over rounds (resampled with replacement,
+    seeded: the same times print the same figures)."""
+    rng = random.Random(0)
+    got = [fn([rounds[rng.randrange(len(rounds))] for _ in rounds]) for _ in range(draws)]
+    qs = statistics.quantiles(got, n=20)
+    return fn(rounds), qs[0], qs[-1]
+
+
+def ratio_of(arm: str):
+    """The bare loop's robust time per step / ``arm``'s: its throughput relative."""
+    return lambda rounds: robust_ms(rounds, "bare") / robust_ms(rounds, arm)
+
+
+def cost_of(arm: str):
+    """``arm``'s robust time per step over the bare loop's - 1, in points of a step."""
+    return lambda rounds: 100 * (robust_ms(rounds, arm) / robust_ms(rounds, "bare") - 1)
+
+
+def means(rounds: list[dict[str, list[float]]]) -> list[dict[str, float]]:
+    """Per round, each arm's mean time per step."""
+    return [{a: statistics.fmean(v) for a, v in r.items()} for r in rounds]
 
 
 def ratios(rounds: list[dict[str, float]], arm: str) -> list[float]:
@@ -86,55 +193,67 @@ def ratios(rounds: list[dict[str, float]], arm: str) -> list[float]:
     return [r["bare"] / r[arm] for r in rounds]
 
 
-def costs(rounds: list[dict[str, float]], arm: str) -> list[float]:
-    """Per round: ``arm``'s time per step over the bare loop's - 1, in points of a step."""
-    return [100 * (r[arm] / r["bare"] - 1) for r in rounds]
-
-
-def _q(xs: list[float], fmt: str) -> tuple[str, str]:
-    qs = statistics.quantiles(xs, n=4) if len(xs) > 1 else xs * 3
-    return fmt.format(qs[1]), f"{fmt.format(qs[0])} to {fmt.format(qs[2])}"
+def _fmt(t: tuple[float, float, float], fmt: str) -> tuple[str, str]:
+    return fmt.format(t[0]), f"{fmt.format(t[1])} to {fmt.format(t[2])}"
 
 
 def adapter_rows(rounds, adapters: list[tuple[str, str]]) -> list[list[str]]:
-    """Per adapter (arm, words): bare ms/step, its ms/step, the ratio's median, quartiles."""
+    """Per adapter (arm, words): the robust ms/step of the bare loop and its own, the ratio
+    and its 90% interval, the per-round ratios' median and quartiles beside them."""
     rows = []
     for arm, words in adapters:
-        med, qs = _q(ratios(rounds, arm), "{:.3f}")
-        bare = 1000 * statistics.median(r["bare"] for r in rounds)
-        own = 1000 * statistics.median(r[arm] for r in rounds)
-        rows.append([words, len(rounds), f"{bare:.1f}", f"{own:.1f}", med, qs])
+        r = boot(rounds, ratio_of(arm))
+        per = ratios(means(rounds), arm)
+        qs = statistics.quantiles(per, n=4) if len(per) > 1 else per * 3
+        rows.append([words, len(rounds), f"{1000 * robust_ms(rounds, 'bare'):.1f}",
+                     f"{1000 * robust_ms(rounds, arm):.1f}", *_fmt(r, "{:.3f}"),
+                     f"{qs[1]:.3f} ({qs[0]:.3f} to {qs[2]:.3f})"])  # fmt: skip
     return rows
 
 
 def part_rows(rounds, parts: list[Part]) -> tuple[list[list[str]], dict[str, float]]:
     """The part-by-part table: per part, the Guard's cost with it off and its share (the
-    full Guard's cost - that, per round; median, quartiles); then every part off at once
-    (the engine's whole share; what is left is the Guard's own wrapper), and what no switch
-    separates (the engine's share - the parts' medians). Returns the rows and the medians:
-    ``full`` (the Guard's cost), ``engine`` (its share), ``parts`` (the shares' sum),
-    ``left`` (every part off)."""
-    full = costs(rounds, "guard")
+    full Guard's cost - that; 90% interval); then every part off at once (the engine's
+    whole share; what is left is the Guard's own wrapper), and what no switch separates
+    (the engine's share - the parts'). Returns the rows and the points: ``full`` (the
+    Guard's cost), ``engine`` (its share), ``parts`` (the shares' sum), ``left``."""
+    full = cost_of("guard")
     rows, total = [], 0.0
     for p in [*parts, ALL_OFF]:
-        own = costs(rounds, p.arm)
-        share = [f - o for f, o in zip(full, own, strict=True)]
+        own = cost_of(p.arm)
+        share = boot(rounds, lambda rs, own=own: full(rs) - own(rs))
         if p is not ALL_OFF:
-            total += statistics.median(share)
-        rows.append([p.name, p.how, _q(own, "{:+.2f}")[0], *_q(share, "{:+.2f}")])
-    engine = statistics.median(share)  # ALL_OFF's, the last
+            total += share[0]
+        rows.append([p.name, p.how, f"{own(rounds):+.2f}", *_fmt(share, "{:+.2f}")])
+    engine = share[0]  # ALL_OFF's, the last
     rows.append(["not switched apart (the norms' hooks, the gather and its host sync)",
-                 "everything - the parts above", "", f"{engine - total:+.2f}", ""])  # fmt: skip
-    med = {"full": statistics.median(full), "engine": engine, "parts": total,
-           "left": statistics.median(costs(rounds, ALL_OFF.arm))}  # fmt: skip
+                 "every part - the parts above", "", f"{engine - total:+.2f}", ""])  # fmt: skip
+    med = {"full": full(rounds), "engine": engine, "parts": total,
+           "left": cost_of(ALL_OFF.arm)(rounds)}  # fmt: skip
     return rows, med
 
 
 def print_parts(rounds, parts: list[Part]) -> None:
     rows, m = part_rows(rounds, parts)
-    head = ["part", "switched off by", "Guard's cost with it off (pts)",
-            "its share (pts, median)", "share's quartiles"]  # fmt: skip
+    head = ["part", "switched off by", "Guard's cost with it off (pts)", "its share (pts)",
+            "share's 90% interval"]  # fmt: skip
     print("\n".join(md_table(head, rows)))
-    print(f"\nthe Guard costs {m['full']:+.2f} points of a bare step (median over rounds): "
+    print(f"\nthe Guard costs {m['full']:+.2f} points of a bare step: "
           f"the engine {m['engine']:+.2f} (the named parts {m['parts']:+.2f} of it), its "
           f"wrapper with every part off {m['left']:+.2f}")  # fmt: skip
+
+
+def print_timed(rounds, clock: PartClock) -> None:
+    """The parts timed inside the full Guard's blocks: ms per step and points of the bare
+    loop's median step; their sum against the Guard's cost measured side by side."""
+    bare = robust_ms(rounds, "bare") * 1000
+    ms = clock.per_step_ms()
+    rows = [[TIMED[k], f"{v:.2f}", f"{100 * v / bare:+.2f}"] for k, v in ms.items()]
+    total = sum(ms.values())
+    rows.append(["their sum", f"{total:.2f}", f"{100 * total / bare:+.2f}"])
+    print("\n".join(md_table(["part (timed in the full Guard's blocks)", "ms/step",
+                                "points of a bare step"], rows)))  # fmt: skip
+    full = cost_of("guard")(rounds)
+    print(f"\nthe Guard's cost side by side: {full:+.2f} points; the timed parts "
+          f"{100 * total / bare:+.2f} of them, the rest {full - 100 * total / bare:+.2f} "
+          f"(the Guard's own calls, the caches the passes evict, the noise)")  # fmt: skip

@@ -8,7 +8,9 @@ One real ``stabilize.train.run`` (the Lightning path, every default on: monitors
 snapshots, checkpoints, the CSV and W&B offline loggers) drives; from a callback at the end
 of its blocks the other arms run theirs, each its own model on the same GPTConfig, data,
 AdamW, LR schedule, clipping and precision (bench_step.py's ``bare_steps``): the bare loop;
-the same loop under ``stabilize.Guard`` with every default on; and, unless ``--no-parts``,
+a second bare loop, the method's zero (its ratio to the first is the bias of an arm's
+place in the process: allocator, caches); the same loop under ``stabilize.Guard`` with
+every default on; and, unless ``--no-parts``,
 one Guard per part of the engine with that part off, and one with every part off
 (benchmarks/cost.py's PARTS). A round is: a Lightning block, each other arm's block in
 order, the same in reverse, a Lightning block; each arm runs two blocks of ``--block``
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -41,23 +42,35 @@ import lightning as L
 import torch
 from bench_step import AUTOCAST, bare_steps
 
-from benchmarks.cost import ALL_OFF, PARTS, Times, adapter_rows, print_parts, ratios
+from benchmarks.cost import (
+    ALL_OFF,
+    PARTS,
+    PartClock,
+    Times,
+    adapter_rows,
+    print_parts,
+    print_timed,
+    ratio_of,
+)
 from benchmarks.lib import CONFIGS, add_run_args, compose_cfg, prepare, run_overrides, train_with
 from benchmarks.stats import md_table
 
 TARGETS = {"tiny": 0.95, "wide": 0.985}  # others: 0.97
 ADAPTERS = [("lightning", "Lightning path (StabilityCallback, loggers, checkpoints)"),
             ("guard", "plain loop under Guard")]  # fmt: skip
+TWIN = ("twin", "a second bare loop (the method's zero: any gap is the method's bias)")
 
 
 class Rounds(L.Callback):
     """Times Lightning's blocks and runs every other arm's between them."""
 
-    def __init__(self, arms: dict, block: int, warmup: int, rounds: int):
+    def __init__(self, arms: dict, block: int, warmup: int, rounds: int, parts: PartClock):
         self.arms, self.block, self.warmup, self.n = arms, block, warmup, rounds
+        self.parts = parts  # counts in the full Guard's blocks only
         self.times = Times()
         self.last: float | None = None
-        self.steps, self.l_time, self.l_blocks = 0, 0.0, 0
+        self.l_steps: list[float] = []  # Lightning's step intervals in the current block
+        self.l_blocks = 0
 
     def on_train_start(self, trainer, pl_module):
         for steps in self.arms.values():  # every arm's first slow steps, out of the window
@@ -65,24 +78,28 @@ class Rounds(L.Callback):
                 next(steps)
 
     def _run(self, name: str) -> None:
-        t0 = time.perf_counter()
+        self.parts.active = name == "guard"
+        steps, marks = self.arms[name], [time.perf_counter()]
         for _ in range(self.block):
-            loss = next(self.arms[name])
+            loss = next(steps)
+            marks.append(time.perf_counter())  # on CPU the step is done when next() returns
         loss.item()  # the block's work done (a device sync on CUDA)
-        self.times.add(name, (time.perf_counter() - t0) / self.block)
+        self.times.add(name, [b - a for a, b in zip(marks, marks[1:], strict=False)])
+        if self.parts.active:
+            self.parts.steps += self.block
+        self.parts.active = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         now = time.perf_counter()
         if trainer.global_step <= self.warmup or self.l_blocks >= 2 * self.n:
             self.last = now
             return
-        self.l_time += now - self.last
-        self.steps += 1
-        if self.steps % self.block == 0:
+        self.l_steps.append(now - self.last)
+        if len(self.l_steps) == self.block:
             if self.l_blocks % 2 == 0:
                 self.times.rounds.append({})
-            self.times.add("lightning", self.l_time / self.block)
-            self.l_time, self.l_blocks = 0.0, self.l_blocks + 1
+            self.times.add("lightning", self.l_steps)
+            self.l_steps, self.l_blocks = [], self.l_blocks + 1
             if self.l_blocks % 2 == 1:  # the round's first Lightning block: the others now
                 order, r = list(self.arms), len(self.times.rounds) - 1
                 order = order[r % len(order) :] + order[: r % len(order)]
@@ -95,13 +112,15 @@ def bench(name: str, args, tmp: Path) -> list[dict[str, float]]:
     total = args.warmup + 2 * args.block * args.rounds + 1
     base = [*run_overrides(CONFIGS[name], args.precision, total, "wandb"), *args.set]
     cfg = compose_cfg(str(tmp / name), base)
-    arms = {"bare": bare_steps(cfg), "guard": bare_steps(cfg, guard_dir=tmp / f"{name}-g")}
+    clock = PartClock()
+    arms = {"bare": bare_steps(cfg), "twin": bare_steps(cfg),
+            "guard": bare_steps(cfg, guard_dir=tmp / f"{name}-g", patch=clock.attach)}  # fmt: skip
     for i, p in enumerate([] if args.no_parts else [*PARTS, ALL_OFF]):
         pcfg = compose_cfg(str(tmp / name), [*base, *p.overrides])
         arms[p.arm] = bare_steps(pcfg, guard_dir=tmp / f"{name}-p{i}", patch=p.patch)
-    clock = Rounds(arms, args.block, args.warmup, args.rounds)
-    train_with(cfg, clock)
-    return clock.times.complete()
+    rounds = Rounds(arms, args.block, args.warmup, args.rounds, clock)
+    train_with(cfg, rounds)
+    return rounds.times.complete(2 * args.block), clock
 
 
 def main() -> None:
@@ -119,21 +138,25 @@ def main() -> None:
         args.rounds = min(args.rounds, 3)
     with tempfile.TemporaryDirectory(prefix="bench_cost-") as tmp:
         results = {n: bench(n, args, Path(tmp)) for n in names}
-    print(f"\n{args.precision}, {args.rounds} rounds of two blocks of {args.block} steps per "
-          f"arm, {torch.get_num_threads()} torch threads, load average {args.load:.1f} at "
-          f"start on {os.cpu_count()} cores{', --set ' + ' '.join(args.set) if args.set else ''}")
-    for n, rounds in results.items():
+    print(
+        f"\n{args.precision}, {args.rounds} rounds of two blocks of {args.block} steps per "
+        f"arm, {torch.get_num_threads()} torch threads, load average {args.load:.1f} at "
+        f"start on {os.cpu_count()} cores{', --set ' + ' '.join(args.set) if args.set else ''}"
+    )
+    for n, (rounds, clock) in results.items():
         print(f"\n{n}: each adapter's throughput / the bare loop's, per round\n")
-        head = ["adapter", "rounds", "bare ms/step", "its ms/step", "ratio (median)",
-                "quartiles"]  # fmt: skip
-        print("\n".join(md_table(head, adapter_rows(rounds, ADAPTERS))))
+        head = ["adapter", "rounds", "bare ms/step", "its ms/step", "ratio",
+                "90% interval", "per round: median (quartiles)"]  # fmt: skip
+        print("\n".join(md_table(head, adapter_rows(rounds, [*ADAPTERS, TWIN]))))
+        print(f"\n{n}: where the full Guard's time goes, timed inside its blocks\n")
+        print_timed(rounds, clock)
         if not args.no_parts:
-            print(f"\n{n}: the Guard's cost, part by part (points of a bare step)\n")
+            print(f"\n{n}: the Guard's cost, one part off at a time (points of a bare step)\n")
             print_parts(rounds, [*PARTS])
         print()
         target = TARGETS.get(n, 0.97)
-        for arm, words in ADAPTERS:
-            r = round(statistics.median(ratios(rounds, arm)), 3)
+        for arm, _ in ADAPTERS:
+            r = round(ratio_of(arm)(rounds), 3)
             print(f"target {n}: {arm} / bare = {r:.3f} (>= {target}) "
                   f"{'PASS' if r >= target else 'FAIL'}")  # fmt: skip
 

@@ -135,3 +135,47 @@ def test_nan_on_rank_1_is_rolled_back_from_sharded_snapshots(tmp_path):
     snap = load_durable(run_dir / "snapshots" / "snapshot-000004.pt")
     assert "shard" not in snap.state and snap.state["model_step"] == 4
     assert set(snap.state["model"]) >= {"wte.weight", "h.0.attn.c_attn.weight"}
+
+
+def test_a_host_snapshot_copied_on_a_thread_holds_its_own_step(tmp_path):
+    """World 1 on the host: the parameters and AdamW state are copied on a thread while the
+    next forward runs; the BatchNorm's running statistics (a forward writes them) at once.
+    Read after the next step (the fence before it, as after_backward does), the snapshot is
+    the state of its own step, tensor for tensor, and a copy with the thread off is equal."""
+    from stabilize.rollback.snapshots import Snapshot, optimizer_written
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(32, 256)
+
+    def step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    step()
+    parts = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    ref, ref_mean = _flat(to_cpu(parts)), model[1].running_mean.clone()
+    late = optimizer_written(opt)
+    assert model[0].weight.data_ptr() in late and model[1].running_mean.data_ptr() not in late
+    sharder = Sharder()
+    snap = Snapshot(1, sharder.capture(parts, {}, opt), landed=sharder.fence)
+    assert sharder._ring_copy is not None  # the parameters' copy went to a thread
+    opt.zero_grad()
+    model(x).square().mean().backward()  # writes the running statistics
+    sharder.fence()  # what the engine's after_backward does
+    opt.step()
+    got = _flat(snap.state)
+    assert got.keys() == ref.keys()
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+    kept = snap.state["model"]["1.running_mean"]
+    assert torch.equal(kept, ref_mean) and not torch.equal(kept, model[1].running_mean)
+    sync = Sharder()
+    sync.host_async = False
+    same = _flat(
+        sync.capture({"model": model.state_dict(), "optimizer": opt.state_dict()}, {}, opt)
+    )
+    assert sync._ring_copy is None
+    assert all(torch.equal(same[k], t) for k, t in _flat(to_cpu(parts)).items())

@@ -31,6 +31,11 @@ class RollbackConfig:
     """M: also to disk (run_dir/snapshots) every M steps (0: never)."""
     durable_async: bool = True
     """Write to disk on a background thread (DurableWriter); training goes on meanwhile."""
+    copy_async: bool = True
+    """A memory snapshot on the host copies the parameters and optimizer state on a thread
+    while the next step's forward and backward run (waited for after the backward, before
+    anything writes them); buffers a forward may write are copied at once. false: all on
+    the training thread."""
     keep_durable: int = 3
     """Durable snapshots kept on disk, the newest by step (-1: all); older ones are deleted
     after each write, so a long run's disk use is bounded."""

@@ -15,8 +15,8 @@ rank is ``world`` identical copies (for gpt-1.3b at keep=3: 47 GB per rank, 379 
 On CUDA the slices are pinned host buffers filled on a side stream (``_CudaCopy``): the
 copy overlaps the next step's forward and backward, and the next optimizer step (the first
 thing that writes the parameters and moments) waits for it on the device, with no host
-sync. On CPU the same code copies synchronously. A world of one keeps the full copy
-(``to_cpu``), as before.
+sync. On CPU the same code copies synchronously. A world of one keeps the full copy; on the
+host what only the optimizer step writes is copied on a thread (``copy_split``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from stabilize.compat import foreach_copy_
-from stabilize.rollback.snapshots import Snapshot, to_cpu, to_cpu_deferred
+from stabilize.rollback.snapshots import Snapshot, copy_split, optimizer_written, to_cpu_deferred
 
 _ATOMIC = (int, float, bool, str, bytes, type(None))
 
@@ -264,9 +264,7 @@ SHARD = "shard"  # the key of the sharded part in a snapshot's state
 
 class Sharder:
     """The controller's side of sharded snapshots: what to capture, how to restore, and the
-    full copy a durable snapshot still needs (rank 0 writes the whole state to disk).
-
-    ``world`` 1 keeps the full per-rank copy (``to_cpu``), exactly as before."""
+    full copy a durable snapshot still needs (rank 0 writes the whole state to disk)."""
 
     def __init__(self, rank: int = 0, world: int = 1, fsdp: bool = False):
         # under FSDP each rank's state is already its shard: kept whole (world 1 here), and
@@ -275,6 +273,8 @@ class Sharder:
         self.cuda: _CudaCopy | None = None
         self._durable: dict | None = None  # the full host copy rank 0 last handed the writer
         self._durable_copy: _CudaCopy | _ThreadCopy | None = None  # that copy, in flight
+        # rollback.copy_async: a memory snapshot's host copy off the step; that copy, in flight
+        self.host_async, self._ring_copy = True, None
 
     @property
     def sharded(self) -> bool:
@@ -284,8 +284,11 @@ class Sharder:
         """The big parts of a snapshot (model and optimizer state dicts) as this rank keeps
         them: ``{SHARD: ShardedState}`` sharded, else full host copies by name. ``old``: the
         recycled state of a snapshot that left the ring."""
-        if not self.sharded:
-            return {k: to_cpu(v, old.get(k)) for k, v in parts.items()}
+        if not self.sharded:  # what only the optimizer step writes: on a thread (copy_split)
+            late = optimizer_written(optimizer) if self.host_async and optimizer else set()
+            if late and self._ring_copy is None:
+                self._ring_copy = _ThreadCopy()
+            return copy_split(parts, old, late, self._ring_copy)
         lay = Layout(parts)
         on_cuda = any(t.is_cuda for t in lay.tensors)
         if on_cuda and self.cuda is None:
@@ -302,6 +305,7 @@ class Sharder:
         """``state`` with its sharded part gathered back (a collective when sharded)."""
         shard = state.get(SHARD)
         if shard is None:
+            self.fence()  # a host copy in flight has landed before it is read
             return state
         if self.cuda is not None:
             self.cuda.fence()  # the restore's copies into the live tensors come after it
@@ -322,7 +326,8 @@ class Sharder:
             save_sharded(snap, model, optimizer, directory, writer.keep)
         elif self.rank == 0:
             whole = self.durable(snap, parts, writer, optimizer)
-            ready = self._durable_copy.wait if self._durable_copy is not None else None
+            copy = self._durable_copy if self.sharded else self._ring_copy
+            ready = copy.wait if copy is not None else None
             writer.submit(whole, directory, ready=ready)
 
     def durable(self, snap: Snapshot, parts: dict[str, Any], writer, optimizer=None) -> Snapshot:
@@ -357,10 +362,12 @@ class Sharder:
         return Snapshot(snap.step, self._durable, snap.wall)
 
     def fence(self) -> None:
-        """Wait for the durable copy in flight: before anything writes the live state
-        (a fault's parameter write after the backward; a restore)."""
+        """Wait for the copies in flight (durable, memory): before anything writes the live
+        state (the optimizer step and a fault's write, after the backward; a restore)."""
         if self._durable_copy is not None:
             self._durable_copy.fence()
+        if self._ring_copy is not None:
+            self._ring_copy.fence()
 
 
 def host_bytes(obj: Any) -> int:

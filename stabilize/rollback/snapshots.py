@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,38 @@ def to_cpu_deferred(obj: Any, into: Any = None, pin: bool = False):
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
     return _copy_tree(obj, into, {}, set(), dst, src, pin), dst, src
+
+
+def optimizer_written(optimizer) -> set[int]:
+    """The data pointers of what only ``optimizer.step`` writes: its parameters and every
+    tensor of its state (moments, step counters)."""
+    ptrs = {p.data_ptr() for g in optimizer.param_groups for p in g["params"]}
+    for st in optimizer.state.values():
+        ptrs.update(t.data_ptr() for t in st.values() if isinstance(t, torch.Tensor))
+    return ptrs
+
+
+def copy_split(parts: dict[str, Any], old: dict, late: set[int], copier) -> dict[str, Any]:
+    """``{name: to_cpu(part)}``, the host tensors whose source's data pointer is in ``late``
+    (``optimizer_written``: the next forward and backward only read them) copied by
+    ``copier`` (``copy(dst, src)`` on a thread, ``fence()`` before anything writes them;
+    its previous copy is fenced first), the rest now: buffers a forward may write (running
+    statistics, amax histories) are never copied late."""
+    trees, now, later = {}, ([], []), ([], [])
+    for k, v in parts.items():
+        trees[k], dst, src = to_cpu_deferred(v, old.get(k))
+        for d, s in zip(dst, src, strict=True):
+            to = later if s.is_cpu and s.data_ptr() in late else now
+            to[0].append(d)
+            to[1].append(s)
+    if later[0]:
+        copier.fence()
+    if now[0]:
+        with torch.no_grad():
+            foreach_copy_(*now)
+    if later[0]:
+        copier.copy(*later)
+    return trees
 
 
 def _copy_tree(obj, into, copies: dict, used: set, dst: list, src: list, pin=False) -> Any:
@@ -105,11 +136,22 @@ def _copy_tree(obj, into, copies: dict, used: set, dst: list, src: list, pin=Fal
     return copy.deepcopy(obj)
 
 
-@dataclass
 class Snapshot:
-    step: int  # the model's step
-    state: dict[str, Any]  # everything needed to resume, on the host
-    wall: float = field(default_factory=time.time)
+    """One snapshot: the model's ``step``, ``state`` (everything needed to resume, on the
+    host), its ``wall`` time. ``landed``: waits for a host copy still in flight
+    (``copy_split``), called before the state is first read: no reader sees it half-copied."""
+
+    def __init__(self, step: int, state: dict[str, Any], wall: float | None = None,
+                 landed=None):  # fmt: skip
+        self.step, self._state, self._landed = step, state, landed
+        self.wall = time.time() if wall is None else wall
+
+    @property
+    def state(self) -> dict[str, Any]:
+        if self._landed is not None:
+            self._landed()
+            self._landed = None
+        return self._state
 
 
 class SnapshotRing:

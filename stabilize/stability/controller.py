@@ -113,7 +113,7 @@ class RollbackController:
             "monitors": to_cpu(self.suite.state_dict()),
             "fault": self.injector.snapshot_state() if self.injector else None,
         }
-        snap = Snapshot(host.train_state.model_step, state)
+        snap = Snapshot(host.train_state.model_step, state, landed=self.sharder.fence)
         self.ring.push(snap)
         every = self.cfg.durable_every
         if every and snap.step % every == 0:  # rank 0 the whole state; FSDP: every shard

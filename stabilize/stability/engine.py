@@ -141,6 +141,7 @@ class StabilityEngine:
         # DDP replicas hold the same state: each rank snapshots 1/world of it (sharded.py)
         world = loop.replicas
         self.controller.sharder = Sharder(loop.rank, world, fsdp=loop.fsdp)
+        self.controller.sharder.host_async = self.rcfg.copy_async
         if world > 1 and self.rollback_on and loop.is_zero:
             print(f"[stability] snapshots sharded: each of {world} ranks keeps 1/{world}",
                   flush=True)  # fmt: skip
