@@ -329,8 +329,9 @@ def adamw_sums(p, g, state: dict, group: dict, coef: float) -> torch.Tensor | No
         return None
     step = float(state["step"]) + 1 if state else 1.0
     b1, b2 = group["betas"]
-    out = ext.adamw_sums(p, g, m if state else p, v if state else p, bool(state), coef,
-                         group["lr"], group["weight_decay"], group["eps"], b1, b2, step)  # fmt: skip
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    m, v = (m, v) if state else (p, p)  # not read on the first step
+    out = ext.adamw_sums(p, g, m, v, bool(state), coef, lr, wd, eps, b1, b2, step)
     return out.float()
 
 
