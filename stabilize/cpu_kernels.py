@@ -321,8 +321,10 @@ def adamw_sums(p, g, state: dict, group: dict, coef: float) -> torch.Tensor | No
     m, v = state.get("exp_avg"), state.get("exp_avg_sq")
     ts = (p, g) if not state else (p, g, m, v)
     if (
-        any(t is None or not t.is_cpu or t.dtype != torch.float32 or not t.is_contiguous()
-            for t in ts)  # fmt: skip
+        any(
+            t is None or not t.is_cpu or t.dtype != torch.float32 or not t.is_contiguous()
+            for t in ts
+        )  # fmt: skip
         or torch.compiler.is_compiling()
         or (ext := ready(start=False)) is None
     ):
