@@ -91,7 +91,8 @@ ALL_OFF = Part("every part at once (the whole engine)", ("monitor=off", "rollbac
 TIMED = {
     "hooks": "the forward hooks' passes (largest magnitudes, the attention bound, entropy rows)",
     "record_params": "the log-step statistics",
-    "gather": "the gather and its host sync (net of the log-step statistics)",
+    "gather": "the gather and its host sync (net of the log-step statistics and of the "
+    "total gradient norm, which the bare loop computes too, for its clipping)",
     "update": "the monitors' verdicts",
     "log_stats": "the step's logs",
     "snapshot": "the snapshots",
@@ -126,6 +127,7 @@ class PartClock:
     def attach(self, guard) -> None:
         e = guard.engine
         e.gather_step = self._timed("gather", e.gather_step)
+        guard.host.grad_total_norm = self._timed("grad_norm", guard.host.grad_total_norm)
         if e.probe is not None:  # monitor=off: no probe
             e.probe.record_params = self._timed("record_params", e.probe.record_params)
         e.suite.update = self._timed("update", e.suite.update)
@@ -135,9 +137,10 @@ class PartClock:
             setattr(probe_module, name, self._timed("hooks", getattr(probe_module, name)))
 
     def per_step_ms(self) -> dict[str, float]:
-        """ms per step of each part (the gather's net of the statistics it calls)."""
+        """ms per step of each part (the gather's net of the statistics and the norm it
+        calls; the norm is computed once a step, for the gather and the clipping alike)."""
         ms = {k: 1000 * v / max(self.steps, 1) for k, v in self.spent.items()}
-        ms["gather"] = ms.get("gather", 0.0) - ms.get("record_params", 0.0)
+        ms["gather"] = ms.get("gather", 0.0) - ms.get("record_params", 0.0) - ms.get("grad_norm", 0)
         return {k: ms.get(k, 0.0) for k in TIMED}
 
 
