@@ -176,9 +176,9 @@ def boot(rounds, fn, draws: int = 400) -> tuple[float, float, float]:
     return fn(rounds), qs[0], qs[-1]
 
 
-def ratio_of(arm: str):
-    """The bare loop's robust time per step / ``arm``'s: its throughput relative."""
-    return lambda rounds: robust_ms(rounds, "bare") / robust_ms(rounds, arm)
+def ratio_of(arm: str, ref: str = "bare"):
+    """``ref``'s robust time per step / ``arm``'s: its throughput relative to ``ref``."""
+    return lambda rounds: robust_ms(rounds, ref) / robust_ms(rounds, arm)
 
 
 def cost_of(arm: str):
@@ -191,24 +191,25 @@ def means(rounds: list[dict[str, list[float]]]) -> list[dict[str, float]]:
     return [{a: statistics.fmean(v) for a, v in r.items()} for r in rounds]
 
 
-def ratios(rounds: list[dict[str, float]], arm: str) -> list[float]:
-    """Per round: the bare loop's time per step / ``arm``'s (its throughput relative)."""
-    return [r["bare"] / r[arm] for r in rounds]
+def ratios(rounds: list[dict[str, float]], arm: str, ref: str = "bare") -> list[float]:
+    """Per round: ``ref``'s time per step / ``arm``'s (its throughput relative)."""
+    return [r[ref] / r[arm] for r in rounds]
 
 
 def _fmt(t: tuple[float, float, float], fmt: str) -> tuple[str, str]:
     return fmt.format(t[0]), f"{fmt.format(t[1])} to {fmt.format(t[2])}"
 
 
-def adapter_rows(rounds, adapters: list[tuple[str, str]]) -> list[list[str]]:
-    """Per adapter (arm, words): the robust ms/step of the bare loop and its own, the ratio
-    and its 90% interval, the per-round ratios' median and quartiles beside them."""
+def adapter_rows(rounds, adapters: list[tuple[str, str, str]]) -> list[list[str]]:
+    """Per adapter (arm, words, the arm of its own bare loop): the robust ms/step of that
+    loop and its own, the ratio and its 90% interval, the per-round ratios' median and
+    quartiles beside them."""
     rows = []
-    for arm, words in adapters:
-        r = boot(rounds, ratio_of(arm))
-        per = ratios(means(rounds), arm)
+    for arm, words, ref in adapters:
+        r = boot(rounds, ratio_of(arm, ref))
+        per = ratios(means(rounds), arm, ref)
         qs = statistics.quantiles(per, n=4) if len(per) > 1 else per * 3
-        rows.append([words, len(rounds), f"{1000 * robust_ms(rounds, 'bare'):.1f}",
+        rows.append([words, len(rounds), f"{1000 * robust_ms(rounds, ref):.1f}",
                      f"{1000 * robust_ms(rounds, arm):.1f}", *_fmt(r, "{:.3f}"),
                      f"{qs[1]:.3f} ({qs[0]:.3f} to {qs[2]:.3f})"])  # fmt: skip
     return rows

@@ -32,6 +32,7 @@ loop's own share is measured by running again with ``--set monitor=off rollback=
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import tempfile
 import time
@@ -52,13 +53,16 @@ from benchmarks.cost import (
     print_timed,
     ratio_of,
 )
+from benchmarks.hf_arm import hf_steps
 from benchmarks.lib import CONFIGS, add_run_args, compose_cfg, prepare, run_overrides, train_with
 from benchmarks.stats import md_table
 
 TARGETS = {"tiny": 0.95, "wide": 0.985}  # others: 0.97
-ADAPTERS = [("lightning", "Lightning path (StabilityCallback, loggers, checkpoints)"),
-            ("guard", "plain loop under Guard")]  # fmt: skip
-TWIN = ("twin", "a second bare loop (the method's zero: any gap is the method's bias)")
+ADAPTERS = [("lightning", "Lightning path (StabilityCallback, loggers, checkpoints)", "bare"),
+            ("guard", "plain loop under Guard", "bare")]  # fmt: skip
+HF = ("hf+callback", "Hugging Face Trainer + HFStabilityCallback (its own bare loop: the "
+      "same Trainer without it, a Llama of the run's shape)", "hf")  # fmt: skip
+TWIN = ("twin", "a second bare loop (the method's zero: any gap is the method's bias)", "bare")
 
 
 class Rounds(L.Callback):
@@ -115,6 +119,10 @@ def bench(name: str, args, tmp: Path) -> list[dict[str, float]]:
     clock = PartClock()
     arms = {"bare": bare_steps(cfg), "twin": bare_steps(cfg),
             "guard": bare_steps(cfg, guard_dir=tmp / f"{name}-g", patch=clock.attach)}  # fmt: skip
+    if args.hf:
+        steps = args.warmup + 2 * args.block * args.rounds + 5
+        arms["hf"] = hf_steps(cfg, tmp / f"{name}-hf", False, steps)
+        arms["hf+callback"] = hf_steps(cfg, tmp / f"{name}-hfc", True, steps)
     for i, p in enumerate([] if args.no_parts else [*PARTS, ALL_OFF]):
         pcfg = compose_cfg(str(tmp / name), [*base, *p.overrides])
         arms[p.arm] = bare_steps(pcfg, guard_dir=tmp / f"{name}-p{i}", patch=p.patch)
@@ -130,10 +138,15 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=5, help="steps per block (two a round)")
     ap.add_argument("--rounds", type=int, default=12, help="rounds timed")
     ap.add_argument("--no-parts", action="store_true", help="the adapters only")
+    ap.add_argument("--no-hf", dest="hf", action="store_false",
+                    help="leave the Hugging Face Trainer's arms out")  # fmt: skip
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Hydra overrides, every arm")  # fmt: skip
     args = ap.parse_args()
     names = prepare(ap, args, CONFIGS)
+    if args.hf and importlib.util.find_spec("transformers") is None:
+        print("transformers is not installed: the Hugging Face arms are left out")
+        args.hf = False
     if args.quick:
         args.rounds = min(args.rounds, 3)
     with tempfile.TemporaryDirectory(prefix="bench_cost-") as tmp:
@@ -147,7 +160,8 @@ def main() -> None:
         print(f"\n{n}: each adapter's throughput / the bare loop's, per round\n")
         head = ["adapter", "rounds", "bare ms/step", "its ms/step", "ratio",
                 "90% interval", "per round: median (quartiles)"]  # fmt: skip
-        print("\n".join(md_table(head, adapter_rows(rounds, [*ADAPTERS, TWIN]))))
+        adapters = [*ADAPTERS, *([HF] if args.hf else []), TWIN]
+        print("\n".join(md_table(head, adapter_rows(rounds, adapters))))
         print(f"\n{n}: where the full Guard's time goes, timed inside its blocks\n")
         print_timed(rounds, clock)
         if not args.no_parts:
@@ -155,9 +169,9 @@ def main() -> None:
             print_parts(rounds, [*PARTS])
         print()
         target = TARGETS.get(n, 0.97)
-        for arm, _ in ADAPTERS:
-            r = round(ratio_of(arm)(rounds), 3)
-            print(f"target {n}: {arm} / bare = {r:.3f} (>= {target}) "
+        for arm, _, ref in [*ADAPTERS, *([HF] if args.hf else [])]:
+            r = round(ratio_of(arm, ref)(rounds), 3)
+            print(f"target {n}: {arm} / {ref} = {r:.3f} (>= {target}) "
                   f"{'PASS' if r >= target else 'FAIL'}")  # fmt: skip
 
 
