@@ -15,8 +15,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
+
 import stabilize.stability.probe as probe_module
-from benchmarks.stats import md_table
+from benchmarks.stats import md_table, median_time
 
 
 def _no_op(*args, **kwargs):
@@ -110,7 +112,7 @@ class PartClock:
         self.spent: defaultdict[str, float] = defaultdict(float)
         self.steps = 0
         self.active = False
-        self._depth = 0
+        self.guard = None  # the Guard it times (print_cuts reads its model)
 
     def _timed(self, key: str, fn):
         def wrapped(*args, **kwargs):
@@ -125,7 +127,7 @@ class PartClock:
         return wrapped
 
     def attach(self, guard) -> None:
-        e = guard.engine
+        self.guard, e = guard, guard.engine
         e.gather_step = self._timed("gather", e.gather_step)
         guard.host.grad_total_norm = self._timed("grad_norm", guard.host.grad_total_norm)
         if e.probe is not None:  # monitor=off: no probe
@@ -261,3 +263,45 @@ def print_timed(rounds, clock: PartClock) -> None:
     print(f"\nthe Guard's cost side by side: {full:+.2f} points; the timed parts "
           f"{100 * total / bare:+.2f} of them, the rest {full - 100 * total / bare:+.2f} "
           f"(the Guard's own calls, the caches the passes evict, the noise)")  # fmt: skip
+
+
+def print_cuts(clock: PartClock, reps: int = 5) -> None:
+    """This round's two cuts, timed on the full Guard's own model and optimizer after the
+    rounds (its last step's gradients, AdamW's state): the log-step statistics through the
+    C++ pass against the torch ops it replaced (``block_grad_update_norms`` with ``keep``:
+    the torch path the curvature still takes), and a memory snapshot's time on the training
+    thread with its copy on a thread (``rollback.copy_async``) and without, the thread's
+    copy waited for after the timing (its own time, which the step no longer waits for)."""
+    from stabilize.stability.param_stats import block_grad_update_norms
+
+    g = clock.guard
+    probe, opt, engine = g.engine.probe, g.optimizer, g.engine
+    if probe is None or not any(p.grad is not None for p in g.model.parameters()):
+        return
+    idx = torch.tensor(probe._param_index)
+    norm = g.host.grad_total_norm()
+
+    def stats(keep: bool):
+        return lambda: block_grad_update_norms(probe.param_groups, idx, opt, norm, g.clip, keep)
+
+    sharder = engine.controller.sharder
+    hold = sharder.host_async
+
+    def snap(on_thread: bool):
+        def run():
+            sharder.host_async = on_thread
+            engine.snapshot()
+
+        return run
+
+    rows, what = [], [("log-step statistics, torch ops", stats(True)),
+                      ("log-step statistics, the C++ pass", stats(False)),
+                      ("snapshot, copied on the training thread", snap(False)),
+                      ("snapshot, parameters and AdamW state on a thread", snap(True))]  # fmt: skip
+    for words, fn in what:
+        sharder.fence()
+        rows.append([words, f"{1000 * median_time(fn, reps):.2f}"])
+        sharder.fence()
+    sharder.host_async = hold
+    print("\n".join(md_table(["what (on the full Guard's model, after the rounds)",
+                              f"ms on the training thread, median of {reps}"], rows)))  # fmt: skip

@@ -2,8 +2,11 @@
 
 Five tables: step times per arm, the overhead estimates of the run pairs, where the on-arm's
 extra CPU time goes, the snapshot / restore timings, and the in-run ABBA toggle
-(monitor_toggle.py). Then one verdict line per target and config: PASS or FAIL, flagged
-NOISY where the estimates' quartiles disagree by more than NOISY.
+(monitor_toggle.py, with ``--toggle-steps``). Then the restore's verdict per config. The
+harness's cost has no verdict here: the pairs and the toggle compare Lightning with the
+harness against Lightning with it switched off, not against a bare loop (whatever stays on
+when it is switched off is in both arms); the verdict is scripts/bench_cost.py's. Their
+overhead lines say so.
 """
 
 from __future__ import annotations
@@ -16,9 +19,7 @@ import torch
 from benchmarks.monitor_clock import PARTS
 from benchmarks.stats import BLOCK, print_table, quartiles, span
 
-OVERHEAD_MAX = 0.02  # on/off - 1: all default monitors together
 RESTORE_MAX = 1.0  # steps
-NOISY = 0.04  # max - min of the per-pair overhead estimates: the verdict is flagged
 TIMINGS = ("snapshot", "durable", "handover", "restore", "rollback")
 
 
@@ -104,21 +105,13 @@ def _toggle_table(results: list[dict]) -> None:
 
 
 def _verdicts(res: dict) -> None:
-    if res["toggled"]:
-        est, how = res["toggled"]["t"], "in-run ABBA toggle"
-    else:
-        est, how = res["robust"], "block median of run pairs"
-    ratio = statistics.median(est)
-    verdict = "PASS" if ratio <= OVERHEAD_MAX else "FAIL"
-    q1, _, q3 = quartiles(est)
-    if q3 - q1 > NOISY:  # the estimates disagree: their median is not to be trusted
-        verdict += (
-            f" (NOISY: the estimates' quartiles span {100 * (q3 - q1):.1f} points; "
-            "rerun with --threads 1 and/or more steps)"
-        )
+    est = res["toggled"]["t"] if res["toggled"] else res["robust"]
+    how = "in-run ABBA toggle" if res["toggled"] else "block median of run pairs"
+    q1, ratio, q3 = quartiles(est)
     print(
-        f"target {res['name']}: overhead on/off - 1 ({how}) = {100 * ratio:+.1f}% "
-        f"(<= {100 * OVERHEAD_MAX:.0f}%) {verdict}"
+        f"overhead {res['name']}: on/off - 1 ({how}) = {100 * ratio:+.1f}% (quartiles "
+        f"{100 * q1:+.1f} to {100 * q3:+.1f}): against Lightning with the harness off, not "
+        "what a user pays (no verdict: scripts/bench_cost.py)"
     )
     steps = res["timings"]["rollback"] / statistics.median(res["ms"]["off"])
     verdict = "PASS" if steps < RESTORE_MAX else "FAIL"

@@ -49,6 +49,7 @@ from benchmarks.cost import (
     PartClock,
     Times,
     adapter_rows,
+    print_cuts,
     print_parts,
     print_timed,
     ratio_of,
@@ -164,6 +165,8 @@ def main() -> None:
         print("\n".join(md_table(head, adapter_rows(rounds, adapters))))
         print(f"\n{n}: where the full Guard's time goes, timed inside its blocks\n")
         print_timed(rounds, clock)
+        print(f"\n{n}: this round's cuts, before and after, timed alone\n")
+        print_cuts(clock)
         if not args.no_parts:
             print(f"\n{n}: the Guard's cost, one part off at a time (points of a bare step)\n")
             print_parts(rounds, [*PARTS])

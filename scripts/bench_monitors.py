@@ -54,15 +54,18 @@ Each is shown as a multiple of the off-arm's median step time (target: rollback 
 On a busy 2-core machine two OpenMP threads stall whenever another job holds a core: the
 header prints the load average; use --threads 1 there.
 
-The verdict comes from a third measurement, in one run (benchmarks/monitor_toggle.py): the
+A third measurement, in one run (benchmarks/monitor_toggle.py, ``--toggle-steps``): the
 monitors switched off and on every 10 steps in ABBA order, so the machine's drifts hit both.
+Neither it nor the pairs is a verdict on the harness's cost: both compare it with itself
+switched off inside Lightning, not with a bare loop; scripts/bench_cost.py gives the cost a
+user pays, part by part.
 ``--replicas-steps N`` measures only the replica fingerprint the same way (monitors on in
 every block; the fingerprint every 10 steps in "on" blocks, as ``monitor.replicas.every``
 does in a multi-process run), and the fingerprint's own time, timed directly.
 
 Usage: python scripts/bench_monitors.py [--quick] [--steps 100] [--warmup 10] [--repeats 4]
        [--configs tiny,small[,125m]] [--precision fp32] [--logger wandb|none] [--threads N]
-       [--toggle-steps 800]
+       [--toggle-steps 0]
 
 Files: this one runs the pairs; in benchmarks/, monitor_clock.py times the parts and the
 snapshot / restore, monitor_toggle.py the in-run toggle, monitor_report.py prints the tables
@@ -223,9 +226,9 @@ def main() -> None:
     ap.add_argument(
         "--toggle-steps",
         type=int,
-        default=800,
-        help="steps of the in-run ABBA toggle measurement (the verdict; 20 quads: at 10 "
-        "the quartiles spanned ~3-4 points on this shared machine); 0: skip it",
+        default=0,
+        help="steps of the in-run ABBA toggle measurement (20 quads at 800; not a verdict: "
+        "scripts/bench_cost.py measures the cost a user pays); 0 (the default): skip it",
     )
     ap.add_argument(
         "--replicas-steps", type=int, default=0, help="only the replica fingerprint's toggle"

@@ -65,9 +65,10 @@ class HFLoop(HandedLoop):
         every = self.args.logging_steps  # a float < 1 is a share of the run
         return max(1, int(every if every >= 1 else every * max(1, self.state.max_steps)))
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int, dashboards: bool = True) -> None:
         super().log(metrics, step)
-        for run in self.wandb_runs():  # the Trainer's W&B run, its x-axis named as it does
+        # the Trainer's W&B run, its x-axis named as it does
+        for run in self.wandb_runs() if dashboards else ():
             run.log({**metrics, "train/global_step": step})
 
     wandb_step_metric = "train/global_step"  # what the Trainer's WandbCallback binds to

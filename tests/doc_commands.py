@@ -131,6 +131,9 @@ COMMANDS: dict[str, str] = {
     "train-hf": "stabilize-train model=hf norm.reduction_dtype=fp16 precision=fp16-mixed "
     "trainer.max_steps=20",
     "bench-your-model": "python scripts/bench_your_model.py --rounds 64",
+    "bench-cost-wide": "python scripts/bench_cost.py --configs wide --rounds 24 --threads 1 "
+    "--no-parts",
+    "bench-cost-tiny": "python scripts/bench_cost.py --configs tiny --rounds 24 --threads 1",
     "bench-guard": "python scripts/bench_guard.py --configs tiny --threads 1 --quads 8 "
     "--set model.d_model=512 model.n_head=8",
     "bench-quant": "python scripts/bench_quant.py --configs tiny --threads 1 --rounds 4 "

@@ -135,7 +135,7 @@ def test_bench_monitors_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| tiny |" in r.stdout and "restore from memory" in r.stdout
     assert "| tiny | 1 |" in r.stdout  # the in-run toggle table: one ABBA quad
-    assert "(in-run ABBA toggle)" in r.stdout
+    assert "(in-run ABBA toggle)" in r.stdout and "no verdict: scripts/bench_cost.py" in r.stdout
 
 
 def test_toggle_estimators_recover_a_planted_cost():

@@ -86,3 +86,32 @@ def test_a_deep_models_layers_are_hidden_from_auto_panels_and_drawn_one_chart_ea
 def test_a_bad_layer_panels_is_refused_in_one_line(bad):
     with pytest.raises(ValueError, match=r"layer_panels=.* is not allowed; must be an integer"):
         stabilize.StabilityCallback(layer_panels=bad)
+
+
+def test_the_dashboards_get_the_log_steps_and_the_local_csv_every_step(tmp_path):
+    """The step's scalars go to the CSVLogger every step and to W&B on the log steps
+    (Lightning's own ``self.log`` keeps to ``log_every_n_steps``; a W&B call a step was
+    most of the adapter's own cost): real offline W&B file against the CSV beside it."""
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    torch.manual_seed(0)
+    every, steps = 3, 9
+    wandb = WandbLogger(save_dir=tmp_path, mode="offline", project="mine", anonymous=None)
+    csv_logger = CSVLogger(tmp_path, name="csv", version=0)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", log_every_n_steps=every,
+                        logger=[csv_logger, wandb], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[stabilize.StabilityCallback()],
+                        default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(GPT2LM(n_layer=2, n_embd=16, n_head=2), loader())
+    wandb.experiment.finish()
+    (offline,) = find_offline_runs(tmp_path / "wandb")
+    run = read_offline_run(offline, wait_s=30)
+    local = sorted(_csv(Path(csv_logger.log_dir) / "metrics.csv")["train/step"].values())
+    assert len(local) == len(set(local)) == steps  # every step
+    remote = [int(v) for v in run.series("train/step")]
+    assert remote and set(remote) < set(local) and remote == sorted(remote)
+    # the per-layer series ride on the same log steps: each W&B row with a step has them
+    rows = [r for r in run.history if "train/step" in r]
+    assert all(any(k.startswith("act/") for k in r) for r in rows)
+    assert len(remote) == steps // every

@@ -66,9 +66,10 @@ class LightningLoop:
     def forward_context(self):
         return self.trainer.precision_plugin.forward_context()
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int, dashboards: bool = True) -> None:
         for lg in self.trainer.loggers:
-            lg.log_metrics(metrics, step=step)
+            if dashboards or type(lg).__name__ != "WandbLogger":
+                lg.log_metrics(metrics, step=step)
 
     wandb_step_metric = "trainer/global_step"  # what WandbLogger binds every key to
 

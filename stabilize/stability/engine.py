@@ -261,7 +261,7 @@ class StabilityEngine:
         # the step's scalars every step, the per-layer series on log steps (sink.py) and on a
         # step whose gradients were scanned (their per-block norms, inf / nan kept)
         log_step = loop.step % loop.log_every == 0
-        self.log_stats(stats, log_step or self._scanned == stats.step)
+        self.log_stats(stats, log_step or self._scanned == stats.step, news=bool(events))
         for e in events:
             self.sink.emit(loop, e)
         if fault is not None:
@@ -357,9 +357,9 @@ class StabilityEngine:
             self._localized = True
         fault.extra.update(info)
 
-    def log_stats(self, s: StepStats, layers: bool = True) -> None:
+    def log_stats(self, s: StepStats, layers: bool = True, news: bool = True) -> None:
         dims = self.probe.dims if self.probe is not None else None
-        self.sink.log_stats(self.loop, s, self.suite.forecast, dims, layers)
+        self.sink.log_stats(self.loop, s, self.suite.forecast, dims, layers, news)
 
     def snapshot(self) -> None:
         self.controller.snapshot(self.loop, self.host)

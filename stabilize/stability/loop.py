@@ -72,8 +72,12 @@ class Loop(Protocol):
     def forward_context(self) -> contextlib.AbstractContextManager:
         """What a re-run's forward runs under (the loop's autocast)."""
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Host floats to every logger the loop has (rank 0 calls it)."""
+    def log(self, metrics: dict[str, float], step: int, dashboards: bool = True) -> None:
+        """Host floats to every logger the loop has (rank 0 calls it). ``dashboards``
+        False: the loop's local files only (its CSV), not W&B: the engine sends the
+        dashboards the log steps and the steps with news, as Lightning's own ``self.log``
+        keeps to ``log_every_n_steps`` (a W&B call a step was most of the Lightning
+        adapter's own cost on a small CPU step: docs/guide.md)."""
 
     def wandb_runs(self) -> list[Any]:
         """The W&B runs the loop logs to (alerts and per-layer charts go there)."""
@@ -144,7 +148,7 @@ class HandedLoop:
             return contextlib.nullcontext()
         return torch.autocast(self.autocast[0], dtype=self.autocast[1])
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int, dashboards: bool = True) -> None:
         self.csv.log(metrics, step)
 
     def wandb_runs(self) -> list:

@@ -90,11 +90,13 @@ class EventSink:
         forecast: dict[str, float],
         dims: dict[str, int] | None,
         layers: bool = True,
+        news: bool = True,
     ) -> None:
         """A step's statistics, one logger call: the scalars of ``STEP_METRICS`` on every
         step, and with ``layers`` (log steps) the per-layer series too. ``dims``: each norm's
         width (the probe's), for the headroom; ``forecast``: the monitors' steps left per
-        layer."""
+        layer. The loop's dashboards (W&B) get the log steps and the steps with ``news``
+        (an event) or a non-finite value; its local files every step."""
         m: dict[str, float] = {"train/step": float(s.step)}
         if layers:
             m.update(self._layer_metrics(s, forecast, dims))
@@ -108,7 +110,8 @@ class EventSink:
             # with train/loss in CSV and W&B
             step = loop.log_row
             self._define_peaks(loop)
-            loop.log(m, step)
+            finite = all(math.isfinite(v) for v in m.values())
+            loop.log(m, step, dashboards=layers or news or not finite)
             if layers:
                 self.layers.add(loop, m, step)
 
