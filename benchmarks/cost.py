@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 import stabilize.stability.probe as probe_module
-from benchmarks.stats import md_table, median_time
+from benchmarks.stats import md_table
 
 
 def _no_op(*args, **kwargs):
@@ -99,11 +99,13 @@ TIMED = {
     "log_stats": "the step's logs",
     "snapshot": "the snapshots",
 }
+TIMED_ARM = "guard, timed"  # a Guard of its own: its clocks never slow the verdict's arm
 _HOOK_FNS = ("absmax_into", "head_norm_max", "sampled_queries", "lowest_head_entropy")
 
 
 class PartClock:
-    """perf_counter around the engine's parts, in one Guard's blocks only (``active``):
+    """perf_counter around the engine's parts, in one Guard's blocks only (``active``; a
+    Guard run for this alone, ``TIMED_ARM``, not the one the verdict reads):
     instance attributes on that Guard's engine, probe and suite; the probe module's pass
     functions wrapped once (the hooks call them by their module name), counting only
     while this clock is active."""
@@ -259,10 +261,11 @@ def print_timed(rounds, clock: PartClock) -> None:
     rows.append(["their sum", f"{total:.2f}", f"{100 * total / bare:+.2f}"])
     print("\n".join(md_table(["part (timed in the full Guard's blocks)", "ms/step",
                                 "points of a bare step"], rows)))  # fmt: skip
-    full = cost_of("guard")(rounds)
+    full, timed = cost_of("guard")(rounds), cost_of(TIMED_ARM)(rounds)
     print(f"\nthe Guard's cost side by side: {full:+.2f} points; the timed parts "
           f"{100 * total / bare:+.2f} of them, the rest {full - 100 * total / bare:+.2f} "
-          f"(the Guard's own calls, the caches the passes evict, the noise)")  # fmt: skip
+          f"(the Guard's own calls, the caches the passes evict, the noise); the timed "
+          f"Guard itself, its clocks on: {timed:+.2f}")  # fmt: skip
 
 
 def print_cuts(clock: PartClock, reps: int = 5) -> None:
@@ -299,9 +302,14 @@ def print_cuts(clock: PartClock, reps: int = 5) -> None:
                       ("snapshot, copied on the training thread", snap(False)),
                       ("snapshot, parameters and AdamW state on a thread", snap(True))]  # fmt: skip
     for words, fn in what:
+        times = []
+        for _ in range(reps):
+            sharder.fence()  # a copy still in flight is the previous call's, not this one's
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
         sharder.fence()
-        rows.append([words, f"{1000 * median_time(fn, reps):.2f}"])
-        sharder.fence()
+        rows.append([words, f"{1000 * statistics.median(times):.2f}"])
     sharder.host_async = hold
     print("\n".join(md_table(["what (on the full Guard's model, after the rounds)",
                               f"ms on the training thread, median of {reps}"], rows)))  # fmt: skip

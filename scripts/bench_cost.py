@@ -46,6 +46,7 @@ from bench_step import AUTOCAST, bare_steps
 from benchmarks.cost import (
     ALL_OFF,
     PARTS,
+    TIMED_ARM,
     PartClock,
     Times,
     adapter_rows,
@@ -83,7 +84,7 @@ class Rounds(L.Callback):
                 next(steps)
 
     def _run(self, name: str) -> None:
-        self.parts.active = name == "guard"
+        self.parts.active = name == TIMED_ARM
         steps, marks = self.arms[name], [time.perf_counter()]
         for _ in range(self.block):
             loss = next(steps)
@@ -119,7 +120,9 @@ def bench(name: str, args, tmp: Path) -> list[dict[str, float]]:
     cfg = compose_cfg(str(tmp / name), base)
     clock = PartClock()
     arms = {"bare": bare_steps(cfg), "twin": bare_steps(cfg),
-            "guard": bare_steps(cfg, guard_dir=tmp / f"{name}-g", patch=clock.attach)}  # fmt: skip
+            "guard": bare_steps(cfg, guard_dir=tmp / f"{name}-g"),
+            TIMED_ARM: bare_steps(cfg, guard_dir=tmp / f"{name}-t",
+                                  patch=clock.attach)}  # fmt: skip
     if args.hf:
         steps = args.warmup + 2 * args.block * args.rounds + 5
         arms["hf"] = hf_steps(cfg, tmp / f"{name}-hf", False, steps)
