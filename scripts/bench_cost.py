@@ -12,7 +12,7 @@ a second bare loop, the method's zero (its ratio to the first is the bias of an 
 place in the process: allocator, caches); the same loop under ``stabilize.Guard`` with
 every default on; and, unless ``--no-parts``,
 one Guard per part of the engine with that part off, and one with every part off
-(benchmarks/cost.py's PARTS). A round is: a Lightning block, each other arm's block in
+(benchmarks/harness_cost.py's PARTS). A round is: a Lightning block, each other arm's block in
 order, the same in reverse, a Lightning block; each arm runs two blocks of ``--block``
 steps a round (at the defaults one log step and one snapshot), and their positions mirror,
 so a drift of the shared machine that is linear over the round hits every arm alike. The
@@ -43,7 +43,7 @@ import lightning as L
 import torch
 from bench_step import AUTOCAST, bare_steps
 
-from benchmarks.cost import (
+from benchmarks.harness_cost import (
     ALL_OFF,
     PARTS,
     TIMED_ARM,

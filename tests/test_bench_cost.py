@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.cost import ALL_OFF, PARTS, boot, cost_of, part_rows, ratio_of, robust_ms
+from benchmarks.harness_cost import ALL_OFF, PARTS, boot, cost_of, part_rows, ratio_of, robust_ms
 
 from conftest import ROOT, run_cli
 
