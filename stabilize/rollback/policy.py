@@ -35,7 +35,8 @@ class RollbackConfig:
     """A memory snapshot on the host copies the parameters and optimizer state on a thread
     while the next step's forward and backward run (waited for after the backward, before
     anything writes them); buffers a forward may write are copied at once. false: all on
-    the training thread."""
+    the training thread, as a loop that writes the parameters itself between optimizer
+    steps (a projection, a clamp) needs."""
     keep_durable: int = 3
     """Durable snapshots kept on disk, the newest by step (-1: all); older ones are deleted
     after each write, so a long run's disk use is bounded."""

@@ -148,6 +148,7 @@ class _ThreadCopy:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._hooked: set[int] = set()
+        self._lock = threading.Lock()
 
     def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         self.fence()
@@ -163,10 +164,13 @@ class _ThreadCopy:
         self._thread.start()
 
     def fence(self, *_: Any) -> None:
+        # the durable writer's thread fences too: clear only the copy it waited for
         t = self._thread
         if t is not None:
             t.join()
-            self._thread = None
+            with self._lock:
+                if self._thread is t:
+                    self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
             raise err
