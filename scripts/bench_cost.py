@@ -2,7 +2,8 @@
 against the bare loop, step-interleaved in one process.
 
     python scripts/bench_cost.py [--quick] [--configs tiny,wide] [--block 5] [--rounds 12]
-                                 [--threads 1] [--no-parts] [--set KEY=VALUE ...]
+                                 [--runs 1] [--threads 1] [--no-parts] [--no-hf]
+                                 [--set KEY=VALUE ...]
 
 One real ``stabilize.train.run`` (the Lightning path, every default on: monitors, rollback
 snapshots, checkpoints, the CSV and W&B offline loggers) drives; from a callback at the end
@@ -23,6 +24,11 @@ the full Guard's cost minus the cost of the Guard with that part off, in points 
 step. Medians over rounds, quartiles beside them. Lightning's time is the interval between
 its own step ends minus the other arms' blocks run in it.
 
+``--runs N`` repeats the whole measurement N times in the process, each time with fresh arms
+(new models, new allocations): at tiny the arms moved by up to 4 points between runs, more
+than the interval over rounds inside one run says (docs/guide.md); the verdict is then the
+median over runs, with every run's ratio beside it.
+
 Targets, per config: the full path (Lightning, and the Guard) >= 0.95 of the bare loop at
 tiny, >= 0.985 at wide (width 512: the harness <= 1.5 points of a step). The Lightning
 loop's own share is measured by running again with ``--set monitor=off rollback=off``
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -142,6 +149,9 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=5, help="steps per block (two a round)")
     ap.add_argument("--rounds", type=int, default=12, help="rounds timed")
     ap.add_argument("--no-parts", action="store_true", help="the adapters only")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="independent runs, each with fresh arms (the verdict: the median "
+                    "over runs, their range beside it; the tables: the last run's)")  # fmt: skip
     ap.add_argument("--no-hf", dest="hf", action="store_false",
                     help="leave the Hugging Face Trainer's arms out")  # fmt: skip
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -153,8 +163,13 @@ def main() -> None:
         args.hf = False
     if args.quick:
         args.rounds = min(args.rounds, 3)
+    if args.runs < 1:
+        ap.error(f"--runs: {args.runs} is not allowed (an integer >= 1)")
+    every: list[dict] = []  # per run: {config: (rounds, clock)}
     with tempfile.TemporaryDirectory(prefix="bench_cost-") as tmp:
-        results = {n: bench(n, args, Path(tmp)) for n in names}
+        for i in range(args.runs):
+            every.append({n: bench(n, args, Path(tmp) / f"run{i}") for n in names})
+    results = every[-1]
     print(
         f"\n{args.precision}, {args.rounds} rounds of two blocks of {args.block} steps per "
         f"arm, {torch.get_num_threads()} torch threads, load average {args.load:.1f} at "
@@ -175,9 +190,21 @@ def main() -> None:
             print_parts(rounds, [*PARTS])
         print()
         target = TARGETS.get(n, 0.97)
-        for arm, _, ref in [*ADAPTERS, *([HF] if args.hf else [])]:
-            r = round(ratio_of(arm, ref)(rounds), 3)
-            print(f"target {n}: {arm} / {ref} = {r:.3f} (>= {target}) "
+        judged = [*ADAPTERS, *([HF] if args.hf else [])]
+        per_run = {arm: [ratio_of(arm, ref)(run[n][0]) for run in every]
+                   for arm, _, ref in [*judged, TWIN]}  # fmt: skip
+        if args.runs > 1:
+            print(f"{n}: the ratio in each of {args.runs} independent runs\n")
+            rows = [[words, *(f"{x:.3f}" for x in per_run[arm]),
+                     f"{statistics.median(per_run[arm]):.3f}",
+                     f"{min(per_run[arm]):.3f} to {max(per_run[arm]):.3f}"]
+                    for arm, words, _ in [*judged, TWIN]]  # fmt: skip
+            head = ["adapter", *(f"run {i + 1}" for i in range(args.runs)), "median", "range"]
+            print("\n".join(md_table(head, rows)) + "\n")
+        for arm, _, ref in judged:
+            r = round(statistics.median(per_run[arm]), 3)
+            how = f", the median of {args.runs} runs" if args.runs > 1 else ""
+            print(f"target {n}: {arm} / {ref} = {r:.3f}{how} (>= {target}) "
                   f"{'PASS' if r >= target else 'FAIL'}")  # fmt: skip
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import statistics
 import sys
 
 import pytest
@@ -88,3 +89,15 @@ def test_the_wide_command_judges_each_adapter_at_its_own_target(tmp_path):
     out = _shrunk("bench-cost-wide", tmp_path, "--set", "model.d_model=64")
     assert "one part off at a time" not in out  # --no-parts
     _verdicts_match_their_numbers(out, "wide", 0.985)
+
+
+def test_runs_judge_on_the_median_of_the_runs_ratios_printed_beside_it(tmp_path):
+    out = _shrunk("bench-cost-tiny", tmp_path, "--runs", "2", "--no-parts", "--no-hf")
+    table = out[out.index("the ratio in each of 2 independent runs") :]
+    row = next(line for line in table.splitlines() if line.startswith("| plain loop under Guard"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    runs, median = [float(c) for c in cells[1:3]], float(cells[3])
+    assert median == pytest.approx(statistics.median(runs), abs=0.0015)  # each shown rounded
+    verdict = next(line for line in out.splitlines() if line.startswith("target tiny: guard"))
+    assert f"= {median:.3f}, the median of 2 runs (>= 0.95)" in verdict
+    assert verdict.endswith("PASS" if median >= 0.95 else "FAIL")
