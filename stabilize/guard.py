@@ -205,8 +205,8 @@ class Guard:
         scaler = self.loop.scaler()
         if scaler is not None and not scaler_unscaled(scaler, self.optimizer):
             scaler.unscale_(self.optimizer)
+        engine.after_backward()  # the snapshot's copy has landed before a fault writes
         host.after_backward()
-        engine.after_backward()
         host.stepping()
         pending = engine.judge()
         bad = host.train_state.skip_step

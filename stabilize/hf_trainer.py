@@ -241,8 +241,8 @@ class HFStabilityCallback(TrainerCallback):
         if scaler is not None and not scaler_unscaled(scaler, opt):
             scaler.unscale_(opt)
         engine.gather.accumulate = 1 if self._summed else max(1, host.micro)
+        engine.after_backward()  # the snapshot's copy has landed before a fault writes
         host.after_backward()
-        engine.after_backward()
         host.stepping()
         engine.judge()
         if self.clip > 0 and not host.train_state.skip_step:

@@ -170,11 +170,12 @@ class StabilityCallback(L.Callback):
             self.host.saw_loss(loss)
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning calls this before the module's own hook, where a fault may write a
+        # parameter, and a foreign module's fault writes in the host's: the snapshot's
+        # copies in flight have landed by then
+        self.engine.after_backward()
         if self._driven:
             self.host.after_backward()
-        # Lightning calls this before the module's own hook, where a fault may write a
-        # parameter: the durable copy of the last snapshot's state has landed by then
-        self.engine.after_backward()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:  # fmt: skip
