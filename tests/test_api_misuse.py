@@ -211,8 +211,13 @@ def test_a_guard_call_out_of_order_is_one_line_and_writes_nothing(tmp_path, misu
     guard = stabilize.Guard(model, opt, run_dir=run, loss_fn=_loss,
                             rollback={"snapshot_every": 1})  # fmt: skip
     seen: list[set[str]] = []
+
+    def mark():  # the start's durable snapshot is written in the background: landed first
+        guard.engine.writer.wait()
+        seen.append(_files(run))
+
     with pytest.raises(StabilityConfigError) as err:
-        misuse(guard, model, lambda: seen.append(_files(run)))
+        misuse(guard, model, mark)
     _one_line(err, words)
     assert seen and _files(run) == seen[-1]
 
