@@ -179,20 +179,29 @@ def holdout3() -> list[tuple[str, str, list[str]]]:
     return out
 
 
+def _holdout(seeds: tuple[int, int], lrs: tuple[float, float], long: tuple[str, str],
+             wide: tuple[str, str]) -> list[tuple[str, str, list[str]]]:  # fmt: skip
+    """A holdout's shape: ``seeds`` at ``lrs`` on every placement, 400-step healthy runs of
+    the tiny model on the ``long`` placements, the wide model on the ``wide`` ones and an
+    fp16 reduction on sandwich (the first seed)."""
+    s = seeds[0]
+    out = []
+    for place in ("pre", "post", "sandwich", "deepnorm"):
+        out += [natural(lr, place, seed) for seed in seeds for lr in lrs]
+    for place in long:
+        out += [healthy(place, f"seed={s}", tag=f"s{s}-long", lr=3e-3, steps=400)]
+    out += [natural(1.2e-2, p, s, *WIDE, tag="w256d6") for p in wide]
+    out += [natural(2e-2, "sandwich", s, *FP16_NATURAL, tag="fp16")]
+    return out
+
+
 def holdout4() -> list[tuple[str, str, list[str]]]:
     """A fourth holdout (``--holdout4``), recorded before a rule for the sandwich placement's
     sublayer-output norms (``*_out``: they rise toward their line and level off) was chosen
     on the sets before it, and scored only after: seeds 10 and 11 at LR 1.8e-2 and 4.5e-2
     on every placement, 400-step healthy runs of the tiny model (sandwich, pre), the wide
     model on sandwich and DeepNorm and an fp16 reduction on sandwich."""
-    out = []
-    for place in ("pre", "post", "sandwich", "deepnorm"):
-        out += [natural(lr, place, seed) for seed in (10, 11) for lr in (1.8e-2, 4.5e-2)]
-    for place in ("sandwich", "pre"):
-        out += [healthy(place, "seed=10", tag="s10-long", lr=3e-3, steps=400)]
-    out += [natural(1.2e-2, p, 10, *WIDE, tag="w256d6") for p in ("sandwich", "deepnorm")]
-    out += [natural(2e-2, "sandwich", 10, *FP16_NATURAL, tag="fp16")]
-    return out
+    return _holdout((10, 11), (1.8e-2, 4.5e-2), ("sandwich", "pre"), ("sandwich", "deepnorm"))
 
 
 def holdout5() -> list[tuple[str, str, list[str]]]:
@@ -200,14 +209,7 @@ def holdout5() -> list[tuple[str, str, list[str]]]:
     between: what the forecast as it stands measures on runs it was never tuned on. Seeds 12
     and 13 at LR 1.5e-2 and 4e-2 on every placement, 400-step healthy runs of the tiny model
     (sandwich, post), the wide model on sandwich and post, an fp16 reduction on sandwich."""
-    out = []
-    for place in ("pre", "post", "sandwich", "deepnorm"):
-        out += [natural(lr, place, seed) for seed in (12, 13) for lr in (1.5e-2, 4e-2)]
-    for place in ("sandwich", "post"):
-        out += [healthy(place, "seed=12", tag="s12-long", lr=3e-3, steps=400)]
-    out += [natural(1.2e-2, p, 12, *WIDE, tag="w256d6") for p in ("sandwich", "post")]
-    out += [natural(2e-2, "sandwich", 12, *FP16_NATURAL, tag="fp16")]
-    return out
+    return _holdout((12, 13), (1.5e-2, 4e-2), ("sandwich", "post"), ("sandwich", "post"))
 
 
 def tags(overrides: list[str]) -> dict[str, str]:

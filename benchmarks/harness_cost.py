@@ -63,27 +63,27 @@ PARTS = (
         "the logit monitors (attention bound every step, head entropy, log Z)",
         LOGITS,
         how="`" + " ".join(LOGITS) + "`",
-    ),  # fmt: skip
+    ),
     Part(
         "the log-step statistics (per-block gradient norm, update ratio, g^2/v)",
         patch=_no_params,
         how="`probe.record_params` a no-op",
-    ),  # fmt: skip
+    ),
     Part(
         "the monitors' verdicts (windows, forecasts)",
         patch=_no_verdicts,
         how="`suite.update` returns no event",
-    ),  # fmt: skip
+    ),
     Part(
         "the step's logs (metrics.csv, per-layer rows)",
         patch=_no_logs,
         how="`engine.log_stats` a no-op",
-    ),  # fmt: skip
+    ),
     Part(
         "the snapshots (memory ring every 10 steps)",
         ("rollback.enabled=false",),
         how="`rollback.enabled=false`",
-    ),  # fmt: skip
+    ),
 )
 ALL_OFF = Part("every part at once (the whole engine)", ("monitor=off", "rollback=off"),
                how="`monitor=off rollback=off`")  # fmt: skip
@@ -264,7 +264,7 @@ def print_timed(rounds, clock: PartClock) -> None:
     full, timed = cost_of("guard")(rounds), cost_of(TIMED_ARM)(rounds)
     print(f"\nthe Guard's cost side by side: {full:+.2f} points; the timed parts "
           f"{100 * total / bare:+.2f} of them, the rest {full - 100 * total / bare:+.2f} "
-          f"(the Guard's own calls, the caches the passes evict, the noise); the timed "
+          f"(not attributed); the timed "
           f"Guard itself, its clocks on: {timed:+.2f}")  # fmt: skip
 
 

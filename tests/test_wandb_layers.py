@@ -90,8 +90,8 @@ def test_a_bad_layer_panels_is_refused_in_one_line(bad):
 
 def test_the_dashboards_get_the_log_steps_and_the_local_csv_every_step(tmp_path):
     """The step's scalars go to the CSVLogger every step and to W&B on the log steps
-    (Lightning's own ``self.log`` keeps to ``log_every_n_steps``; a W&B call a step was
-    most of the adapter's own cost): real offline W&B file against the CSV beside it."""
+    (Lightning's own ``self.log`` keeps to ``log_every_n_steps``): a real offline W&B file
+    against the CSV beside it."""
     from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
     torch.manual_seed(0)

@@ -60,8 +60,8 @@ def optimizer_written(optimizer) -> set[int]:
 def copy_split(parts: dict[str, Any], old: dict, late: set[int], copier) -> dict[str, Any]:
     """``{name: to_cpu(part)}``, the host tensors whose source's data pointer is in ``late``
     (``optimizer_written``: the next forward and backward only read them) copied by
-    ``copier`` (``copy(dst, src)`` on a thread, ``fence()`` before anything writes them;
-    its previous copy is fenced first), the rest now: buffers a forward may write (running
+    ``copier`` (``copy(dst, src)`` on a thread, which waits for its previous copy first;
+    ``fence()`` before anything writes them), the rest now: buffers a forward may write (running
     statistics, amax histories) are never copied late."""
     trees, now, later = {}, ([], []), ([], [])
     for k, v in parts.items():
@@ -70,8 +70,6 @@ def copy_split(parts: dict[str, Any], old: dict, late: set[int], copier) -> dict
             to = later if s.is_cpu and s.data_ptr() in late else now
             to[0].append(d)
             to[1].append(s)
-    if later[0]:
-        copier.fence()
     if now[0]:
         with torch.no_grad():
             foreach_copy_(*now)

@@ -76,8 +76,7 @@ class Loop(Protocol):
         """Host floats to every logger the loop has (rank 0 calls it). ``dashboards``
         False: the loop's local files only (its CSV), not W&B: the engine sends the
         dashboards the log steps and the steps with news, as Lightning's own ``self.log``
-        keeps to ``log_every_n_steps`` (a W&B call a step was most of the Lightning
-        adapter's own cost on a small CPU step: docs/guide.md)."""
+        keeps to ``log_every_n_steps``: a W&B call is paid on the training thread."""
 
     def wandb_runs(self) -> list[Any]:
         """The W&B runs the loop logs to (alerts and per-layer charts go there)."""
