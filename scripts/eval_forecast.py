@@ -56,6 +56,7 @@ from benchmarks.forecast_set import (
     holdout3,
     holdout4,
     holdout5,
+    holdout6,
     tags,
     wide,
 )
@@ -72,7 +73,7 @@ from stabilize.norms import Norm
 
 # the holdouts, each recorded before and scored after one change (benchmarks/forecast_set.py)
 HOLDOUTS = {"holdout": holdout, "holdout2": holdout2, "holdout3": holdout3, "holdout4": holdout4,
-            "holdout5": holdout5}  # fmt: skip
+            "holdout5": holdout5, "holdout6": holdout6}  # fmt: skip
 
 
 class Recorder(L.Callback):
@@ -177,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--holdout5", action="store_true", help="also the fifth holdout "
                    "(forecast_set.holdout5: no change between its recording and its "
                    "scoring)")  # fmt: skip
+    p.add_argument("--holdout6", action="store_true", help="also the sixth holdout "
+                   "(forecast_set.holdout6: recorded before, scored after, the rule for the "
+                   "sandwich placement's near misses)")  # fmt: skip
     p.add_argument("--holdouts-only", action="store_true", help="record (or score) only the "
                    "holdouts asked for, not core + wide")  # fmt: skip
     p.add_argument("--load", type=Path, help="score runs recorded by --save; no training")
