@@ -113,3 +113,32 @@ def test_one_process_that_stalls_gets_its_stacks_dumped_and_goes_on(tmp_path, ca
     assert len(said) == 1 and "one process: not aborting" in said[0], said
     stacks = (d / "ranks" / "rank-0.stacks.txt").read_text()
     assert "test_watchdog.py" in stacks and "on_train_batch_end" in stacks  # where it slept
+
+
+def test_the_c_level_dump_is_armed_once_for_many_fast_steps_and_still_fires(tmp_path):
+    """Arming faulthandler's timer starts a C thread (~0.6 ms): a step end re-arms it only
+    once less than one limit (10 timeouts) of its cover is left. A stall still gets its
+    stacks dumped, no sooner than the limit and no later than 1.5x it."""
+    import faulthandler
+
+    from stabilize.lit.watchdog import SLOW_FACTOR, Watchdog
+
+    w = Watchdog(tmp_path, timeout_s=0.05)  # limit: 0.5 s
+    limit = 0.05 * SLOW_FACTOR
+    path = tmp_path / "stacks.txt"
+    w._stacks = open(path, "w")  # noqa: SIM115  (as on_train_start opens it)
+    try:
+        t0 = time.monotonic()
+        w._rearm()
+        armed = w._dump_at
+        assert t0 + 1.5 * limit <= armed <= time.monotonic() + 1.5 * limit
+        for _ in range(200):  # fast steps: the timer keeps its cover, nobody re-arms it
+            w._rearm()
+        assert w._dump_at == armed
+        time.sleep(max(0.0, t0 + 0.9 * limit - time.monotonic()))
+        assert path.stat().st_size == 0  # not before the limit
+        time.sleep(max(0.0, armed + 0.7 - time.monotonic()))
+        assert "File " in path.read_text()  # the stall's stacks, by the C-level timer
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        w._stacks.close()

@@ -9,9 +9,11 @@ the others, through the run dir every rank shares:
   validation, checkpoint save): attribute writes, no I/O in the step;
 - a daemon thread writes ``ranks/rank-N.json`` every poll (its own ``alive`` counter, the
   latest mark, the pid and host) and reads the others' files;
-- ``faulthandler.dump_traceback_later`` is re-armed at every batch end: when the main
-  thread makes no progress for the timeout, the C-level timer dumps every thread's stack
-  into ``ranks/rank-N.stacks.txt``, even if the thread holds the GIL.
+- ``faulthandler.dump_traceback_later`` is kept armed from the batch ends: when the main
+  thread makes no progress for 10 to 15 timeouts, the C-level timer dumps every thread's
+  stack into ``ranks/rank-N.stacks.txt``, even if the thread holds the GIL (it is re-armed
+  only once less than 10 timeouts of its cover are left: each arming starts a C thread,
+  ~0.6 ms, 1 point of a tiny model's step if done every step).
 
 With one process the watchdog only dumps the stacks and logs one line per stall (nothing
 else waits on it: it may be a breakpoint). With more, when a rank's own progress has not
@@ -44,6 +46,7 @@ import contextlib
 import faulthandler
 import json
 import logging
+import math
 import os
 import socket
 import statistics
@@ -99,6 +102,7 @@ class Watchdog(L.Callback):
         self._thread: threading.Thread | None = None
         self._ending = False  # past the last step: the ending's phases
         self._stacks = None
+        self._dump_at = -math.inf  # when the armed C-level dump would fire (monotonic)
         self.shares: list[dict[str, Any]] | None = None  # per rank, at the end of training
         self._straggler_said = False
 
@@ -109,8 +113,14 @@ class Watchdog(L.Callback):
         self.mark = (self.batches, PHASES.index(phase), phase, step, self.ticks)
 
     def _rearm(self) -> None:
-        if self._stacks is not None:  # the C-level timer: a dump if the main thread stalls
-            faulthandler.dump_traceback_later(self.timeout() * SLOW_FACTOR, file=self._stacks)
+        """The C-level timer: a dump if the main thread stalls for ``SLOW_FACTOR`` timeouts,
+        at most 1.5 times that: armed for 1.5x, and again only when less than 1x is left."""
+        if self._stacks is None:
+            return
+        now, limit = time.monotonic(), self.timeout() * SLOW_FACTOR
+        if self._dump_at - now < limit:
+            faulthandler.dump_traceback_later(1.5 * limit, file=self._stacks)
+            self._dump_at = now + 1.5 * limit
 
     def _enter(self, trainer, phase: str) -> None:
         """A save or a phase of the ending: its beat now, not at the next poll (a rank
@@ -192,6 +202,7 @@ class Watchdog(L.Callback):
             self._thread.join(timeout=10)
             self._thread = None
         faulthandler.cancel_dump_traceback_later()
+        self._dump_at = -math.inf
         self._alive = -1
         self._write_beat()
         if self._stacks is not None:
