@@ -260,9 +260,15 @@ class GPTLitModule(LoaderMixin, L.LightningModule):
         if hasattr(self.trainer.strategy.model, "clip_grad_norm_"):  # FSDP: sharded grads
             self.trainer.strategy.model.clip_grad_norm_(max_norm)
             return
-        params = [p for p in self.parameters() if p.grad is not None]
+        params = [p for p in self._stepped_params() if p.grad is not None]
         if params:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+
+    def _stepped_params(self) -> list[torch.nn.Parameter]:
+        """The optimizers' parameters, whose gradients Lightning's own clipping reads: a walk
+        of a few lists, where ``self.parameters()`` walks every submodule (~0.2 ms a call at
+        tiny, twice a step)."""
+        return [p for o in self.trainer.optimizers for g in o.param_groups for p in g["params"]]
 
     def grad_total_norm(self) -> torch.Tensor:
         """The pre-clip global gradient norm of this optimizer step, computed once (foreach
@@ -273,7 +279,7 @@ class GPTLitModule(LoaderMixin, L.LightningModule):
         if fsdp is not None:  # only FSDP can see the whole of its sharded gradients
             self.grad_norm = fsdp(math.inf)  # clip at inf: just the norm
         else:
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            grads = [p.grad for p in self._stepped_params() if p.grad is not None]
             self.grad_norm = (
                 full_norm(torch.nn.utils.get_total_norm(grads, foreach=True))  # FSDP2: DTensor
                 if grads
