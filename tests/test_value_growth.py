@@ -23,9 +23,17 @@ def test_f_is_geometric_from_its_step_and_holds_at_the_target():
     assert [fault.planned(s) for s in range(1, 8)] == [1.0, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
 
 
+def test_with_accel_the_step_ratio_rises_by_it_each_step_by_hand():
+    fault = ValueGrowth(fault_config(kind="value_growth", step=2, rate=1.0, accel=0.5, target=20))
+    f = [fault.planned(s) for s in range(1, 7)]
+    # ratios 1, 1.5, 2, 2.5, 3 from step 2: f = 1, 1.5, 3, 7.5, then 22.5, held at 20
+    assert f == [1.0, 1.0, 1.5, 3.0, 7.5, 20.0] and fault.planned(7) == 20.0
+
+
 @pytest.mark.parametrize(
     ("knob", "value", "said"),
     [("rate", 1.0, "fault.rate=1.0 is not allowed; must be > 1"),
+     ("accel", -0.1, "fault.accel=-0.1 is not allowed; must be in"),
      ("rate", -2.0, "fault.rate=-2.0 is not allowed; must be a positive"),
      ("target", 0.5, "fault.target=0.5 is not allowed; must be >= 1")],
 )  # fmt: skip

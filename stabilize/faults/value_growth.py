@@ -12,10 +12,13 @@ divided by the same f(t) (its bias added back unscaled). Attention is linear in 
 function, its loss and every weight's gradient are unchanged: only the numerics see it.
 ``c_proj``'s grad-output shrinks by 1/f(t) at the same time.
 
-f(t) = min(rate ** (t - step + 1), target): geometric from ``fault.step``, ``fault.rate``
-per step, held at ``fault.target``. Delayed scaling (an amax history, margin 0) saturates
-while the growth per step exceeds 464 / 448 = 1.036 (E4M3's largest value and the midpoint
-that still rounds to it); current scaling follows at once.
+f(t) = min(r_0 r_1 ... r_(t - step), target) with r_k = rate + accel k: geometric from
+``fault.step`` at ``fault.rate`` per step (``fault.accel`` 0), or with a step ratio that
+rises by ``fault.accel`` a step, held at ``fault.target``. Delayed scaling (an amax
+history, margin 0) saturates while the growth per step exceeds 464 / 448 = 1.036 (E4M3's
+largest value and the midpoint that still rounds to it): a steady rate saturates from its
+first step or never, a rising one from the step its ratio passes that, which a forecast can
+see coming; current scaling follows at once.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch import nn
 
 from stabilize.faults.base import Fault, register_fault, residual_blocks
 from stabilize.faults.config import FaultConfig
-from stabilize.validate import ConfigError, check_positive
+from stabilize.validate import ConfigError, check_positive, check_range
 
 
 @dataclass
@@ -35,15 +38,19 @@ class ValueGrowthConfig(FaultConfig):
     layer: int = 0
     """The block whose attention output projection sees the growth."""
     rate: float = 1.1
-    """The growth per step (> 1)."""
+    """The growth per step (> 1; >= 1 with ``accel``)."""
+    accel: float = 0.0
+    """How much the growth per step rises each step (0: a steady rate)."""
     target: float = 1e3
     """f's cap: the factor holds here (>= 1)."""
 
     def check(self) -> None:
         check_positive("fault.rate", self.rate)
         check_positive("fault.target", self.target)
-        if self.rate <= 1:
-            raise ConfigError(f"fault.rate={self.rate!r} is not allowed; must be > 1")
+        check_range("fault.accel", self.accel, 0.0, 1.0)
+        if self.rate < 1 or (self.rate == 1 and self.accel == 0):
+            raise ConfigError(f"fault.rate={self.rate!r} is not allowed; must be > 1 "
+                              "(>= 1 with fault.accel > 0)")  # fmt: skip
         if self.target < 1:
             raise ConfigError(f"fault.target={self.target!r} is not allowed; must be >= 1")
 
@@ -83,7 +90,14 @@ class ValueGrowth(Fault):
         c = self.cfg
         if step < c.step:
             return 1.0
-        return min(c.rate ** (step - c.step + 1), c.target)
+        if c.accel == 0:
+            return min(c.rate ** (step - c.step + 1), c.target)
+        f = 1.0
+        for k in range(step - c.step + 1):
+            f *= c.rate + c.accel * k
+            if f >= c.target:
+                return c.target
+        return f
 
     def _grow_values(self, module, args, out):
         active = not self.disabled and self.mine() and self.step >= self.cfg.step
