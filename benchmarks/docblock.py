@@ -51,3 +51,13 @@ def write_block(doc: Path, name: str, body: str, script: str) -> int:
         return 2
     print(f"{script}: wrote the {name} block of {doc}")
     return 0
+
+
+def write_measured(doc: Path, name: str, script: str, argv: list[str] | None, text: str) -> int:
+    """``text`` into the doc's ``name`` block under the line every eval's block starts with:
+    the command as run (``python scripts/<script> <argv>``), the commit and the CPU."""
+    args = argv if argv is not None else sys.argv[1:]
+    cmd = f"python scripts/{script} " + " ".join(args)
+    body = (f"Measured by `{cmd.strip()}` at commit {commit()}, on {cpu()}. Written by the "
+            "script: do not edit by hand.\n\n" + text)  # fmt: skip
+    return write_block(doc, name, body, script)

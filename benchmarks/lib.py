@@ -11,8 +11,13 @@ statistics and tables the scripts print are in stats.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
+import json
 import os
+import shutil
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -145,3 +150,53 @@ def train_with(cfg: RunConfig, clock: L.Callback) -> dict:
         out = stabilize.train.run(cfg, callbacks=[clock])
     wandb.teardown()
     return out
+
+
+class StatsRecorder(L.Callback):
+    """Each training step's ``StepStats`` (the monitors' input), as the stability callback
+    gathered them: a monitor is a function of them alone, so feeding them again replays
+    the warnings the live run logged, at any setting."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.stab = next(c for c in trainer.callbacks if type(c).__name__ == "StabilityCallback")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        s = self.stab.last
+        if s is not None and not (self.steps and self.steps[-1]["step"] == s.step):
+            self.steps.append(dataclasses.asdict(s))
+
+
+def record_stats(name: str, overrides: list[str], root: Path) -> tuple[RunConfig, list[dict]]:
+    """One real run of ``configs/train.yaml`` with ``overrides`` in ``root / name`` (removed
+    after): its config and every step's StepStats. A run Lightning ended early (SIGTERM) is
+    not a result: SystemExit."""
+    run_dir = root / name
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[f"run_dir={run_dir}", *overrides])
+    rc = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    rec = StatsRecorder()
+    stabilize.train.run(rc, callbacks=(rec,))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if len(rec.steps) < rc.trainer.max_steps:
+        raise SystemExit(f"{name}: stopped at step {len(rec.steps)}; not recorded")
+    return rc, rec.steps
+
+
+def record_plan(plan, runs: list[dict], save: Path | None, prefix: str, record) -> list[dict]:
+    """Each ``(group, name, overrides)`` of ``plan`` not yet in ``runs``, recorded by
+    ``record(group, name, overrides, tmp_dir)`` with a progress line on stderr; ``save``:
+    the runs written after every one (an interrupted set keeps what it made)."""
+    done, t0 = {r["name"] for r in runs}, time.time()
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        for k, (group, name, ov) in enumerate(plan):
+            if name in done:
+                continue
+            print(f"[{k + 1}/{len(plan)}] {group} {name} ({time.time() - t0:.0f} s)",
+                  file=sys.stderr)  # fmt: skip
+            runs.append(record(group, name, ov, Path(tmp)))
+            if save:
+                save.write_text(json.dumps(runs))
+    return runs

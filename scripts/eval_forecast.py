@@ -41,7 +41,7 @@ import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/REA
 import lightning as L
 import torch
 
-from benchmarks.docblock import commit, cpu, replace_block
+from benchmarks.docblock import write_measured
 from benchmarks.forecast_score import (
     RunScore,
     first_crossings,
@@ -251,16 +251,8 @@ def main(argv=None) -> int:
         if missed or len(s.warnings) > s.true_warnings:
             false = [w for w in s.warnings if not _followed(w, s)]
             print(f"  {s.name}: missed {missed[:4]}; false warnings {false[:4]}", file=sys.stderr)
-    if args.doc:
-        cmd = "python scripts/eval_forecast.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]
-        )
-        body = (f"Measured by `{cmd.strip()}` at commit {commit()}, on {cpu()}. Written by the "
-                "script: do not edit by hand.\n\n" + text)  # fmt: skip
-        err = replace_block(args.doc, args.doc_block, body)
-        if err:
-            print(f"eval_forecast.py: {err}", file=sys.stderr)
-            return 2
+    if args.doc and write_measured(args.doc, args.doc_block, "eval_forecast.py", argv, text):
+        return 2
     return 0 if not misses else 1
 
 

@@ -21,62 +21,27 @@ reach (spike_reach.py).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import _repo  # noqa: F401  (the repo root on sys.path: benchmarks/, scripts/README.md)
-import lightning as L
 
-from benchmarks.docblock import commit, cpu, write_block
+from benchmarks.docblock import write_measured
+from benchmarks.lib import record_plan, record_stats
 from benchmarks.spike_eval import BASE, holdout, report, spike_set
 from benchmarks.spike_reach import reach
 
 
-class Recorder(L.Callback):
-    """Each training step's StepStats, as the stability callback gathered them."""
-
-    def __init__(self):
-        self.steps: list[dict] = []
-
-    def on_train_start(self, trainer, pl_module):
-        self.stab = next(c for c in trainer.callbacks if type(c).__name__ == "StabilityCallback")
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        s = self.stab.last
-        if s is not None and not (self.steps and self.steps[-1]["step"] == s.step):
-            self.steps.append(dataclasses.asdict(s))
-
-
 def record(group: str, name: str, overrides: list[str], root: Path) -> dict:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    import stabilize.train  # noqa: F401  (the config's resolvers)
-    from stabilize.paths import config_dir
-    from stabilize.run.config import RunConfig
-    from stabilize.train import run
-
-    run_dir = root / name
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=[f"run_dir={run_dir}", *BASE, *overrides])
-    rc = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
-    rec = Recorder()
-    run(rc, callbacks=(rec,))
-    shutil.rmtree(run_dir, ignore_errors=True)
-    if len(rec.steps) < rc.trainer.max_steps:  # Lightning ends a run on SIGTERM: not a result
-        raise SystemExit(f"{name}: stopped at step {len(rec.steps)}; not recorded")
+    rc, steps = record_stats(name, [*BASE, *overrides], root)
     fault = rc.fault.step if rc.fault.kind != "none" else None
     return {"group": group, "name": name, "overrides": overrides, "fault_step": fault,
-            "steps": rec.steps}  # fmt: skip
+            "steps": steps}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -120,7 +85,6 @@ def main(argv=None) -> int:
     if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
         print(f"--shard {args.shard!r}: not I/N with 0 <= I < N", file=sys.stderr)
         return 2
-    t0 = time.time()
     if args.load:
         by_name = {}  # a run in two files (copies merged) is scored once
         for f in args.load:
@@ -129,21 +93,12 @@ def main(argv=None) -> int:
         runs = list(by_name.values())
     else:
         runs = json.loads(args.save.read_text()) if args.save and args.save.exists() else []
-        done = {r["name"] for r in runs}
         plan = (holdout() if args.holdout else spike_set())[int(i) :: int(n)]
         if args.quick:
             plan = [(g, f"{name}-quick", [*(o for o in ov if not o.startswith(
                 "trainer.max_steps=")), "trainer.max_steps=12"])
                     for g, name, ov in plan if g != "planted"][:2]  # fmt: skip
-        with tempfile.TemporaryDirectory(prefix="eval_spikes-") as tmp:
-            for k, (group, name, ov) in enumerate(plan):
-                if name in done:
-                    continue
-                print(f"[{k + 1}/{len(plan)}] {group} {name} ({time.time() - t0:.0f} s)",
-                      file=sys.stderr)  # fmt: skip
-                runs.append(record(group, name, ov, Path(tmp)))
-                if args.save:
-                    args.save.write_text(json.dumps(runs))
+        record_plan(plan, runs, args.save, "eval_spikes-", record)
     rule = ", past_line=true" if args.past_line else ""
     if args.reach:
         text = reach(runs, args.horizon)
@@ -152,12 +107,7 @@ def main(argv=None) -> int:
         text = f"{head}; {len(runs)} runs\n\n" + report(runs, args.horizon, args.past_line)
     print(text)
     if args.doc:
-        cmd = "python scripts/eval_spikes.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]
-        )
-        body = (f"Measured by `{cmd.strip()}` at commit {commit()}, on {cpu()}. Written by the "
-                "script: do not edit by hand.\n\n" + text)  # fmt: skip
-        return write_block(args.doc, args.doc_block, body, "eval_spikes.py")
+        return write_measured(args.doc, args.doc_block, "eval_spikes.py", argv, text)
     return 0
 
 
