@@ -40,20 +40,27 @@ def test_saturation_is_one_verdict_per_episode_naming_its_layer():
 
 def test_an_accelerating_amax_ratio_is_forecast_ten_steps_or_more_ahead():
     """A delayed-scaling operand whose growth per step itself grows: its amax ratio (the
-    step's amax over its history's) climbs to the format's max at step 40, computed here;
-    the monitor warns at least 10 steps before. A ratio pinned at 1 (current scaling) is
-    never forecast."""
-    m = QuantMonitor(QuantMonitorConfig(horizon=50, window=8))
-    ratio = {t: 0.3 * math.exp(math.log(1 / 0.3) * t / 40) for t in range(1, 60)}
-    reach = next(t for t, r in ratio.items() if r >= 1)
+    step's amax over its history's) climbs to its saturation edge (E4M3's 464 / 448) at
+    step 40, computed here; the monitor warns at least 10 steps before. An operand with no
+    edge (current scaling: its ratio follows the tensor) is never forecast, and with the
+    forecast off (the default) nothing is."""
+    m = QuantMonitor(QuantMonitorConfig(forecast=True, horizon=50, window=8))
+    edge = 464 / 448
+    ratio = {t: 0.3 * math.exp(math.log(edge / 0.3) * t / 40) for t in range(1, 60)}
+    reach = next(t for t, r in ratio.items() if r >= edge)
     warned = None
     for t in range(1, reach):
-        ev = m.update(_stats(t, quant_amax_ratio={"h.0.mlp.c_proj.x": ratio[t], "cur.x": 1.0}))
+        ratios = {"h.0.mlp.c_proj.x": ratio[t], "cur.x": 0.9 + 0.002 * t}
+        ev = m.update(_stats(t, quant_amax_ratio=ratios, quant_edge={"h.0.mlp.c_proj.x": edge}))
         if ev and warned is None:
             warned = t
-            assert ev[0].layer == "h.0.mlp.c_proj.x" and "reaches it in" in ev[0].message
+            assert ev[0].layer == "h.0.mlp.c_proj.x" and "where its cast saturates" in ev[0].message
     assert warned is not None and reach - warned >= 10, (warned, reach)
     assert "cur.x" not in m.forecast
+    off = QuantMonitor(QuantMonitorConfig())
+    climbing = [_stats(t, quant_amax_ratio={"a.x": ratio[t]}, quant_edge={"a.x": edge})
+                for t in range(1, reach)]  # fmt: skip
+    assert [e for s in climbing for e in off.update(s)] == [] and off.forecast == {}
 
 
 def _model(recipe: str, **knobs):
@@ -170,3 +177,36 @@ def test_between_log_steps_a_clipping_group_is_seen_off_the_casts_group_maxima(t
     sat5, _ = seen[4]
     assert sat5["0.x"] > 0  # the log step counts the elements
     assert v.step == 5
+
+
+def _saturating_steps(factors: list[float], history: int = 16) -> list[int]:
+    """Steps (from 1) at which a tensor whose amax is 1 x f(t) saturates E4M3 under delayed
+    scaling (margin 0, history max), by the real DelayedScaling and the format's own edge."""
+    from stabilize.quant.formats import E4M3, overflows
+    from stabilize.quant.scaling import DelayedScaling
+
+    ds = DelayedScaling(E4M3, history=history)
+    ds.update(torch.tensor(1.0))  # a stable past: the scale follows amax 1
+    out = []
+    for t, f in enumerate(factors, start=1):
+        a = torch.tensor(f)
+        if overflows(a * ds.scale, E4M3):
+            out.append(t)
+        ds.update(a)
+    return out
+
+
+def test_under_a_history_max_a_linear_ramp_saturates_on_its_first_steps_or_never():
+    """Why the forecast is scored on a growth whose step ratio rises: amax 1 + 0.045 t has
+    ratio a_t / a_(t-1) = 1 + 0.045 / (1 + 0.045 (t - 1)), above 464 / 448 (the value E4M3's
+    max rounds from) up to t = 6 and below it after, by hand; 1 + 0.02 t never passes it.
+    A step ratio rising by 0.004 a step from 1 passes it at k = 9, the tenth step."""
+    linear = [1 + 0.045 * t for t in range(1, 80)]
+    by_hand = [t for t in range(1, 80) if 1 + 0.045 / (1 + 0.045 * (t - 1)) > 464 / 448]
+    assert _saturating_steps(linear) == by_hand == list(range(1, 7))
+    assert _saturating_steps([1 + 0.02 * t for t in range(1, 80)]) == []
+    f, rising = 1.0, []
+    for k in range(40):
+        f *= 1 + 0.004 * k
+        rising.append(f)
+    assert _saturating_steps(rising)[0] == 10 and _saturating_steps(rising) == list(range(10, 41))

@@ -73,6 +73,10 @@ class StepStats:
     quant_underflow: dict[str, float] = field(default_factory=dict)
     quant_clipped: dict[str, float] = field(default_factory=dict)
     quant_sqnr_db: dict[str, float] = field(default_factory=dict)
+    # per delayed-scaling operand, the amax ratio past which its cast saturates (the format's
+    # overflow edge over its max; constant): the forecast's line. Current and block scaling
+    # follow the tensor itself: nothing to forecast, none given.
+    quant_edge: dict[str, float] = field(default_factory=dict)
     # each rank's parameter fingerprint, on replica-check steps only (empty otherwise)
     replicas: tuple[int, ...] = ()
     norm_dim: dict[str, int] = field(default_factory=dict)  # norm -> width D (constant)

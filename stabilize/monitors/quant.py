@@ -13,9 +13,16 @@ Per operand (``<layer>.x``, ``.w``, ``.dy``), from its series on the probe's mea
   Transformer Engine's AutoswitchGemm rule): a WARN;
 - the forecast: an operand whose amax over the format's max (after its scaling) climbs
   towards 1, as delayed scaling's does when a tensor's growth outruns its amax history, is
-  fitted by a robust log-linear line over ``window`` measured steps (``loglinear_forecast``,
-  as the attention-logit bound's); a WARN when it reaches 1 within ``horizon`` steps. Under
-  current scaling the ratio sits at 1 by construction and is not forecast.
+  projected by the activation forecast's own ``LineForecaster`` (monitors/forecast.py: a
+  robust fit over ``window`` measured steps, the operand's learned noise, a crossing
+  significant at ``z`` sigmas) against the ratio past which its cast saturates (the
+  format's overflow edge over its max: 464 / 448 for E4M3, ``StepStats.quant_edge``): a
+  WARN when one is significant within ``horizon`` steps and at most ``within`` away, once
+  per ``horizon`` steps. Only delayed scaling is forecast: current and block scaling follow
+  the tensor itself. Off by default (``forecast``): scored on recorded runs
+  (scripts/eval_quant_forecast.py, docs/forecast.md), a planted growth's acceleration was
+  buried in the amax's own step-to-step noise: it warned of no planted crossing in time,
+  but by coincidence, and as often in runs with no growth.
 
 One event per episode and operand; the layer's name rides in ``extra["site"]`` (the rungs
 act on it).
@@ -24,14 +31,15 @@ act on it).
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 from stabilize.monitors.events import ROLLBACK, WARN, Event, StepStats
-from stabilize.monitors.logits import loglinear_forecast
+from stabilize.monitors.forecast import ForecastConfig, LineForecaster
 from stabilize.validate import check_choice, check_positive, check_range
 
-CURRENT = 0.999  # an amax ratio this close to 1: scaled by its own amax, nothing to forecast
+# measured steps of an operand not forecast from: delayed scaling's cold start (the first step
+# is scaled from an empty history, the second from one step's amax)
+COLD_STEPS = 2
 
 
 @dataclass
@@ -47,17 +55,27 @@ class QuantMonitorConfig:
     """A share of an operand's non-zero elements flushed to 0 above this: a warning."""
     on_saturation: str = "warn"
     """warn | rollback, when an operand saturates past ``saturated``."""
+    forecast: bool = False
+    """Forecast a delayed-scaling operand's amax ratio reaching its saturation edge. Off by
+    default: on recorded runs (docs/forecast.md) it warned of no planted growth in time."""
     horizon: int = 50
     """Forecast: warn when the amax ratio is expected to reach the format's max within this
     many measured steps."""
     window: int = 8
-    """Measured steps in the forecast's robust log-linear fit."""
+    """Measured steps in the forecast's robust fit."""
+    z: float = 3.0
+    """How many of the operand's own noise sigmas the projected crossing must clear."""
+    within: float = 20.0
+    """Warn only when the projected crossing is at most this many measured steps away (0: any
+    within ``horizon``)."""
 
     def __post_init__(self):
         for k in ("saturated", "underflow"):
             check_range(f"monitor.quant.{k}", getattr(self, k), 0.0, 1.0)
         for k in ("horizon", "window"):
             check_positive(f"monitor.quant.{k}", getattr(self, k), integer=True)
+        check_positive("monitor.quant.z", self.z)
+        check_range("monitor.quant.within", self.within, 0.0, 1e6)
         if self.window < 4:
             raise ValueError(f"monitor.quant.window={self.window!r} is not allowed; allowed: >= 4")
         check_choice("monitor.quant.on_saturation", self.on_saturation, ("warn", "rollback"))
@@ -65,7 +83,8 @@ class QuantMonitorConfig:
 
 class QuantMonitor:
     name = "quant"
-    needs = ("quant_saturated", "quant_underflow", "quant_amax_ratio", "quant_clipped")
+    needs = ("quant_saturated", "quant_underflow", "quant_amax_ratio", "quant_clipped",
+             "quant_edge")  # fmt: skip
 
     @classmethod
     def from_config(cls, name: str, c: QuantMonitorConfig) -> QuantMonitor:
@@ -74,7 +93,9 @@ class QuantMonitor:
     def __init__(self, c: QuantMonitorConfig | None = None):
         self.c = c or QuantMonitorConfig()
         self.kind = ROLLBACK if self.c.on_saturation == "rollback" else WARN
-        self.ratios: dict[str, deque[float]] = {}  # operand -> log amax ratio, measured steps
+        self.forecaster = self._forecaster()
+        self.warned: dict[str, int] = {}  # operand -> the step its last forecast was warned
+        self.seen: dict[str, int] = {}  # operand -> measured steps seen
         self.open: set[tuple[str, str]] = set()  # (what, operand) episodes open
         self.forecast: dict[str, float] = {}  # operand -> measured steps left
 
@@ -106,29 +127,46 @@ class QuantMonitor:
             if self._once("underflow", op, share > c.underflow):
                 msg = f"{op}: {share:.2%} of its elements flushed to 0 by the cast"
                 events.append(self._event(WARN, stats.step, op, msg, share, c.underflow))
-        for op, ratio in stats.quant_amax_ratio.items():
-            events += self._forecast(stats.step, op, ratio)
+        if c.forecast:
+            events += self._forecast(stats.step, stats.quant_amax_ratio, stats.quant_edge)
         return events
 
-    def _forecast(self, step: int, op: str, ratio: float) -> list[Event]:
-        if not (math.isfinite(ratio) and 0 < ratio < CURRENT):
-            self.ratios.pop(op, None)  # at or past the max (saturation says it), or current
-            self.forecast.pop(op, None)
-            self.open.discard(("forecast", op))
-            return []
-        h = self.ratios.setdefault(op, deque(maxlen=self.c.window))
-        h.append(math.log(ratio))
-        if len(h) < self.c.window:
-            return []
-        level, slope, left = loglinear_forecast(list(h), 0.0)
-        self.forecast[op] = left
-        if not self._once("forecast", op, left < self.c.horizon):
-            return []
-        msg = (
-            f"{op}: amax at {ratio:.3f} of the format's max after its scaling, "
-            f"x{math.exp(slope):.4f}/step; reaches it in ~{left:.0f} measured steps"
-        )
-        return [self._event(WARN, step, op, msg, left, float(self.c.horizon))]
+    def _forecaster(self) -> LineForecaster:
+        c = self.c
+        return LineForecaster(ForecastConfig(horizon=c.horizon, window=c.window, z=c.z))
+
+    def _forecast(self, step: int, ratios: dict[str, float], edges: dict[str, float]):
+        """Each delayed-scaling operand's amax ratio against its saturation edge (``edges``:
+        the format's overflow edge over its max, 464 / 448 for E4M3): a Projection a step;
+        an operand scaled by its own amax (current, block) has no edge and is not forecast."""
+        live = {}
+        for op, ratio in ratios.items():
+            edge = edges.get(op)
+            if edge is None:
+                continue
+            self.seen[op] = self.seen.get(op, 0) + 1
+            if self.seen[op] <= COLD_STEPS:
+                continue
+            if math.isfinite(ratio) and 0 < ratio < edge:
+                live[(op, "ratio")] = (ratio, edge)
+            else:  # past the edge: saturation says it
+                self.forecast.pop(op, None)
+        events = []
+        for (op, _), p in self.forecaster.update(live).items():
+            self.forecast[op] = p.left
+            last = self.warned.get(op)
+            if not p.significant or (last is not None and step - last < self.c.horizon):
+                continue
+            if self.c.within and p.left > self.c.within:
+                continue  # too far yet: warned once it comes within reach
+            self.warned[op] = step
+            ratio, edge = live[(op, "ratio")]
+            msg = (f"{op}: amax at {ratio:.3f} of the format's max after its scaling, "
+                   f"x{math.exp(p.slope):.4f}/step (noise x{math.exp(p.sigma):.3f}); reaches "
+                   f"{edge:.4f}, where its cast saturates, in ~{p.left:.0f} measured "
+                   "steps")  # fmt: skip
+            events.append(self._event(WARN, step, op, msg, p.left, float(self.c.horizon)))
+        return events
 
     @staticmethod
     def _event(kind: str, step: int, op: str, msg: str, value: float, threshold: float) -> Event:
@@ -137,9 +175,14 @@ class QuantMonitor:
                      extra={"site": site})  # fmt: skip
 
     def state_dict(self) -> dict:
-        return {"ratios": {k: list(v) for k, v in self.ratios.items()},
+        return {"forecaster": self.forecaster.state_dict(), "warned": dict(self.warned),
+                "seen": dict(self.seen),
                 "open": sorted(list(k) for k in self.open)}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        self.ratios = {k: deque(v, maxlen=self.c.window) for k, v in state["ratios"].items()}
+        self.forecaster = self._forecaster()  # an older state (its "ratios"): learned again
+        if "forecaster" in state:
+            self.forecaster.load_state_dict(state["forecaster"])
+        self.warned = {k: int(v) for k, v in state.get("warned", {}).items()}
+        self.seen = {k: int(v) for k, v in state.get("seen", {}).items()}
         self.open = {tuple(k) for k in state["open"]}

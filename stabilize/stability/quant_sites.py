@@ -107,14 +107,18 @@ def measure_light(qz: Quantized) -> torch.Tensor:
 def unpack_sites(sites: list[QuantSite], values: list[float]) -> dict[str, dict[str, float]]:
     """Host values of the sites' slots -> one dict per ``FIELDS`` entry, keyed
     ``<layer>.<operand>``; an operand not measured this step (its slots still -inf) is
-    left out."""
-    out: dict[str, dict[str, float]] = {f: {} for f in FIELDS}
+    left out. ``quant_edge``: each measured delayed-scaling operand's saturation edge on the
+    amax ratio (the format's ``overflow_from`` over its max)."""
+    out: dict[str, dict[str, float]] = {f: {} for f in (*FIELDS, "quant_edge")}
     for i, site in enumerate(sites):
         for j, op in enumerate(OPERANDS):
             o = (i * len(OPERANDS) + j) * len(METRICS)
             vals = dict(zip(METRICS, values[o : o + len(METRICS)], strict=True))
             if vals["amax"] == float("-inf"):
                 continue
+            scheme = site.schemes[j]
+            if scheme.kind == "delayed":
+                out["quant_edge"][f"{site.name}.{op}"] = scheme.fmt.overflow_from / scheme.fmt.max
             vals["sqnr_db"] = -vals["sqnr_db"]
             for field, metric in FIELDS.items():
                 if math.isfinite(vals[metric]) or metric in ("amax", "amax_ratio"):
