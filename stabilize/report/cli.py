@@ -32,6 +32,8 @@ from stabilize.report.naming import arm_names, is_scenario, swept
 from stabilize.report.plots import make_plots
 from stabilize.report.quant_hides import NOTE as QUANT_NOTE
 from stabilize.report.quant_hides import judge_quant, quant_rows
+from stabilize.report.quant_layers import PLOT_NOTE as QUANT_PLOT_NOTE
+from stabilize.report.quant_layers import layer_lines
 from stabilize.report.single import run_conclusion
 from stabilize.report.summary import (
     COMPARE,
@@ -165,6 +167,7 @@ def write_report(
         # plain sentences with the arms' names in them: written as text, not markdown
         lines += [f"- {md_text(c)}" for c in said] or ["- (no run had anything to conclude from)"]
         lines += [""]
+    lines += layer_lines(runs)  # quantized arms: which operands hit the format's max
     told = [(a.arm, a.rollback_story) for a in arms if a.rollback_story]
     if told:
         lines += ["## Rollbacks", ""]
@@ -199,7 +202,8 @@ def write_report(
         "non-finite values; a diamond: where a line ends (its legend entry says what follows). "
         "An arm that lies on another is drawn thinner, on top (its entry: at which steps). "
         "In act_max, dotted: the overflowing norm's largest row RMS, against the row RMS "
-        "past which its fp16 sum of squares overflows.",
+        "past which its fp16 sum of squares overflows."
+        + (" " + QUANT_PLOT_NOTE if "quant_headroom" in plots else ""),
         "",
     ]
     for name, p in plots.items():

@@ -24,6 +24,7 @@ from stabilize.numerics import FP16_MAX  # noqa: E402
 from stabilize.report.axis import pieces, rewinds  # noqa: E402
 from stabilize.report.layers import RMS_LINE_COLOR, draw_layers, draw_rms, layer_colors  # noqa: E402
 from stabilize.report.load import Run  # noqa: E402
+from stabilize.report.quant_layers import headroom_figure  # noqa: E402
 from stabilize.report.summary import LINE  # noqa: E402
 
 LINE_COLOR = "#d62728"  # the 256 line (red)
@@ -364,6 +365,7 @@ def figures(runs: list[Run]) -> dict[str, Figure]:
             lines=[(1.0, "scale floor 1")],
         ),
         "audit": _audit_figure(runs),
+        "quant_headroom": headroom_figure(runs),
     }
     return {k: v for k, v in made.items() if v is not None}
 
