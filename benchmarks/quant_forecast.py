@@ -197,5 +197,8 @@ def _planted_row(r: dict, s: RunScore) -> str:
     mine = [(step, s.estimates.get((op, step), math.nan)) for u, step in s.warnings if u == op]
     lead = s.timely.get(op)
     first = f"{mine[0][1]:.0f} steps, at step {mine[0][0]}" if mine else "-"
-    said = f"{lead} steps ahead" if lead else ("too late" if mine else "none")
+    if c is None:
+        said = "warned; no crossing followed" if mine else "none"
+    else:
+        said = f"{lead} steps ahead" if lead else ("too late" if mine else "none")
     return f"| {r['name']} | {c if c is not None else 'never'} | {said} | {first} |"
