@@ -133,7 +133,13 @@ def test_the_built_in_monitors_declare_what_they_read():
         "log_z": {"log_z"},
         "replicas": {"replicas"},
         "curvature": {"opt"},
-        "quant": {"quant_saturated", "quant_underflow", "quant_amax_ratio", "quant_clipped"},
+        "quant": {
+            "quant_saturated",
+            "quant_underflow",
+            "quant_amax_ratio",
+            "quant_clipped",
+            "quant_edge",
+        },
     }
 
 
