@@ -114,6 +114,16 @@ CASES = [
     (["quant=mxfp8", "quant.scale_rounding=up"], ["quant.scale_rounding='up'", "rceil"]),
     (["quant=mxfp8", "model.d_model=72"], ["quant.layers includes h.0.attn.c_attn", "32"]),
     (["quant=nvfp4", "norm.reduction_dtype=fp16"], ["quant=nvfp4 with norm.reduction_dtype=fp16"]),
+    # a Hugging Face model: its Linears' names and widths from the model keys, before the run
+    (["model=hf", "quant=fp8_delayed", "quant.layers=[h.*]"], ["quant.layers='h.*'", "allowed:"]),
+    (
+        ["model=hf", "quant=mxfp8", "model.d_model=72", "model.n_head=2"],
+        ["quant.layers includes model.layers.0.self_attn.q_proj", "32"],
+    ),
+    (
+        ["model=hf", "fault=biased_round", "fault.site=lm_head.nope"],
+        ["fault.site=", "lm_head.nope"],
+    ),
 ]
 
 

@@ -40,15 +40,27 @@ def _classes(arch: str):
 
 def build_hf(cfg: GPTConfig) -> nn.Module:
     """The run's Hugging Face model, norms swapped as the ``norm`` group says."""
+    if cfg.hf.weights is not None:
+        return _finish(_pretrained(cfg, _classes(cfg.hf.arch)[1]), cfg)
+    return hf_skeleton(cfg)
+
+
+def hf_skeleton(cfg: GPTConfig) -> nn.Module:
+    """The run's Hugging Face model from the model keys alone, no weights read (on the meta
+    device when built under it, as the start-up checks do: the module names and Linear
+    widths are the same as with ``model.hf.weights``, whose config ``check_weights`` held
+    to the keys)."""
+    config_cls, model_cls = _classes(cfg.hf.arch)
+    hf_cfg = config_cls(**hf_config_values(cfg), **cfg.hf.config, attn_implementation="sdpa")
+    return _finish(_causal_lm(model_cls)(hf_cfg), cfg)
+
+
+def _finish(model: nn.Module, cfg: GPTConfig) -> nn.Module:
+    """The run's own pieces on a Hugging Face model: its config, the loss's log Z sink, the
+    norms swapped and placed as the ``norm`` group says."""
     from stabilize.model.gpt import apply_norm_sites
     from stabilize.norms.surgery import swap_norms
 
-    config_cls, model_cls = _classes(cfg.hf.arch)
-    if cfg.hf.weights is not None:
-        model = _pretrained(cfg, model_cls)
-    else:
-        hf_cfg = config_cls(**hf_config_values(cfg), **cfg.hf.config, attn_implementation="sdpa")
-        model = _causal_lm(model_cls)(hf_cfg)
     model.cfg = cfg
     model.z_loss = cfg.z_loss
     model.logit_softcap = LogitSoftcap(0.0)  # the loss's log Z sink (no cap: refused)

@@ -6,8 +6,11 @@ know is checked here, at the top of ``train.run`` (before the run dir is made):
 
 - the world size: ``fault.rank`` must be a rank of this launch (``WORLD_SIZE`` under
   torchrun, else devices x nodes);
-- the model's parameter names: ``fault.param`` must be one (the model is built on the meta
-  device, so this costs no memory; building it also runs the norms' own checks);
+- the model's names and widths: ``fault.param`` must be one of its parameters,
+  ``fault.site`` one of its modules, ``model.fp32_modules`` its paths, ``quant.layers``
+  globs its Linears of block-divisible widths (the model is built on the meta device, so
+  this costs no memory, a Hugging Face one from the model keys without its weights;
+  building it also runs the norms' own checks);
 - the data: every local file has content, the corpus is large enough for a block and for
   each rank's validation batch (the token cache is built here, stabilize/data/cache.py, and
   the run's loaders reuse it; the tokenizer's ids were checked against ``model.vocab_size``
@@ -94,15 +97,18 @@ def preflight(cfg: RunConfig) -> None:
     world = world_size(cfg)
     check_fault_rank(cfg, world)
     check_hf_weights(cfg)
-    with config_errors(), torch.device("meta"):
-        model = GPT(cfg.model)
-        if cfg.model.hf is None:  # model.fp32_modules: paths of this model (a HF one: at build)
-            apply_fp32_modules(model, cfg.model.fp32_modules)
+    with config_errors(), torch.device("meta"):  # the run's model, no memory: its names
+        if cfg.model.hf is None:
+            model = GPT(cfg.model)
+        else:  # a Hugging Face architecture from the model keys (its weights not read)
+            from stabilize.model.hf_arch import hf_skeleton
+
+            model = hf_skeleton(cfg.model)
+        apply_fp32_modules(model, cfg.model.fp32_modules)  # model.fp32_modules: its paths
     check_fault_param(cfg, [name for name, _ in model.named_parameters()])
-    if cfg.model.hf is None:
-        check_fault_site(cfg, [name for name, _ in model.named_modules()])
-        with config_errors():  # the quant globs and widths, on the same meta model
-            check_quant(model, cfg.quant)
+    check_fault_site(cfg, [name for name, _ in model.named_modules()])
+    with config_errors():  # the quant globs and widths, on the same meta model
+        check_quant(model, cfg.quant)
     check_data(cfg, world)
 
 
