@@ -114,6 +114,7 @@ CASES = [
     (["quant=mxfp8", "quant.scale_rounding=up"], ["quant.scale_rounding='up'", "rceil"]),
     (["quant=mxfp8", "model.d_model=72"], ["quant.layers includes h.0.attn.c_attn", "32"]),
     (["quant=nvfp4", "norm.reduction_dtype=fp16"], ["quant=nvfp4 with norm.reduction_dtype=fp16"]),
+    (["quant=fp8_delayed", "quant.nvfp4.sr=true"], ["quant.nvfp4.sr=true", "quant=nvfp4"]),
     # a Hugging Face model: its Linears' names and widths from the model keys, before the run
     (["model=hf", "quant=fp8_delayed", "quant.layers=[h.*]"], ["quant.layers='h.*'", "allowed:"]),
     (

@@ -25,6 +25,18 @@ from stabilize.validate import ConfigError, check_choice
 
 
 @dataclass
+class NVFP4Config:
+    """``quant.nvfp4``: Transformer Engine's NVFP4 recipe beyond the format (quant=nvfp4)."""
+
+    sr: bool = False
+    """Round the gradients (each GEMM's grad-output) stochastically, unbiased, as the recipe
+    does; the forward's operands stay round-to-nearest."""
+    weights_2d: bool = False
+    """One block scale per 16 x 16 tile of the weight instead of per 16 values of a row, as
+    the recipe scales weights: the weight and its transpose (dgrad's) quantize alike."""
+
+
+@dataclass
 class QuantConfig:
     name: str = "none"
     """The recipe: none | fp8_tensor | fp8_rowwise | fp8_delayed | mxfp8 | nvfp4."""
@@ -40,6 +52,8 @@ class QuantConfig:
     """fp8_delayed: the history's amax, max | most_recent."""
     scale_rounding: str = "rceil"
     """mxfp8: the E8M0 block scale's rounding, floor (OCP's) | rceil."""
+    nvfp4: NVFP4Config = field(default_factory=NVFP4Config)
+    """nvfp4: stochastic rounding of gradients and 16 x 16 weight tiles (``quant.nvfp4.*``)."""
 
     def __post_init__(self) -> None:
         check_choice("quant.name", self.name, RECIPES)
@@ -56,6 +70,21 @@ class QuantConfig:
                 raise ConfigError(f"quant.{key}={value!r} is not allowed; allowed: an int >= {low}")
         check_choice("quant.amax_algo", self.amax_algo, AMAX_ALGOS)
         check_choice("quant.scale_rounding", self.scale_rounding, SCALE_ROUNDINGS)
+        if isinstance(self.nvfp4, dict):
+            known = set(NVFP4Config.__dataclass_fields__)
+            bad = sorted(set(self.nvfp4) - known)
+            if bad:
+                raise ConfigError(f"quant.nvfp4.{bad[0]} is not allowed; allowed: "
+                                  f"{sorted(known)}")  # fmt: skip
+            self.nvfp4 = NVFP4Config(**self.nvfp4)
+        for key in ("sr", "weights_2d"):
+            value = getattr(self.nvfp4, key)
+            if not isinstance(value, bool):
+                raise ConfigError(f"quant.nvfp4.{key}={value!r} is not allowed; allowed: "
+                                  "true or false")  # fmt: skip
+            if value and self.name != "nvfp4":
+                raise ConfigError(f"quant.nvfp4.{key}=true is not allowed with "
+                                  f"quant={self.name}; allowed: quant=nvfp4")  # fmt: skip
 
     @property
     def enabled(self) -> bool:
@@ -97,7 +126,8 @@ def apply_quant(model: nn.Module, cfg: QuantConfig) -> list[str]:
     if cfg.name in OWN_RECIPES:
         names = select_linears(model, cfg.layers, cfg.exclude)
         knobs = {"scale_rounding": cfg.scale_rounding, "history": cfg.history,
-                 "margin": cfg.margin, "amax_algo": cfg.amax_algo}  # fmt: skip
+                 "margin": cfg.margin, "amax_algo": cfg.amax_algo, "sr": cfg.nvfp4.sr,
+                 "weights_2d": cfg.nvfp4.weights_2d}  # fmt: skip
         return swap_linears(model, names, cfg.name, **knobs)
     recipe = cfg.name.removeprefix("fp8_").replace("tensor", "tensorwise")
     return convert_float8(model, recipe, layers=cfg.layers, exclude=cfg.exclude)

@@ -120,16 +120,37 @@ def _cast_e2m1(x: torch.Tensor) -> torch.Tensor:
     return torch.copysign(out, x)  # NaN stays NaN (E2M1 itself has none)
 
 
-def cast(x: torch.Tensor, fmt: ElemFormat, *, saturate: bool = True) -> torch.Tensor:
+def _cast_e2m1_stochastic(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 ``x`` (already within +-6) to one of its two E2M1 neighbours at random,
+    the upper with probability (|x| - lower) / (upper - lower): unbiased, E[q] = x, where
+    round-to-nearest takes every value in (0.25, 0.75) to 0.5. A value on the grid stays.
+    The draw is torch's global generator's (as dropout's), so a checkpoint's RNG state
+    replays it."""
+    mag = x.abs()
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    low = torch.floor(mag / step) * step
+    up = (torch.rand_like(mag) < (mag - low) / step).float()
+    return torch.copysign((low + up * step).clamp(max=E2M1.max), x)
+
+
+def cast(
+    x: torch.Tensor, fmt: ElemFormat, *, saturate: bool = True, stochastic: bool = False
+) -> torch.Tensor:
     """Round ``x`` to ``fmt`` and return it as fp32 (a fake quantization of the elements).
 
     ``saturate=True`` clamps to +-max first, as torchao and Transformer Engine do, so the
     result does not depend on whether this torch's cast saturates. ``saturate=False`` shows
     the format's own behaviour (E5M2: inf from 61440; torch's E4M3 cast saturates anyway).
+    ``stochastic``: E2M1 only, rounded at random between its two neighbours (unbiased), as
+    Transformer Engine's NVFP4 recipe rounds gradients.
     """
     x = x.float()
     if saturate:
         x = x.clamp(-fmt.max, fmt.max)
+    if stochastic:
+        if fmt.dtype is not None:
+            raise ValueError(f"stochastic rounding is for E2M1 (NVFP4), not {fmt.name}")
+        return _cast_e2m1_stochastic(x)
     if fmt.dtype is None:
         return _cast_e2m1(x)
     return x.to(fmt.dtype).float()

@@ -35,7 +35,8 @@ OWN_RECIPES = ("fp8_delayed", "mxfp8", "nvfp4")  # the recipes QuantLinear train
 class QuantLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  recipe: str, scale_rounding: str = "rceil", history: int = 1024,
-                 margin: int = 0, amax_algo: str = "max", device=None, dtype=None):  # fmt: skip
+                 margin: int = 0, amax_algo: str = "max", sr: bool = False,
+                 weights_2d: bool = False, device=None, dtype=None):  # fmt: skip
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         check_choice("quant", recipe, OWN_RECIPES)
         check_choice("quant.amax_algo", amax_algo, AMAX_ALGOS)
@@ -44,8 +45,9 @@ class QuantLinear(nn.Linear):
         if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
             raise ConfigError(f"quant.margin={margin!r} is not allowed; allowed: an int >= 0")
         self.recipe, self.margin, self.amax_algo = recipe, margin, amax_algo
+        self.nvfp4 = {"sr": sr, "weights_2d": weights_2d}  # nvfp4's own knobs (else refused)
         self.schemes: tuple[Scheme, ...] = tuple(
-            scheme_for(recipe, r, scale_rounding=scale_rounding) for r in ROLES
+            scheme_for(recipe, r, scale_rounding=scale_rounding, **self.nvfp4) for r in ROLES
         )
         if recipe == "fp8_delayed":  # oldest -> newest, per operand (x, w, dy)
             self.register_buffer("amax_history", torch.zeros(3, history, device=device))
@@ -78,7 +80,9 @@ class QuantLinear(nn.Linear):
     def to_rceil(self) -> None:
         """MX block scales rounded up (RCEIL) instead of down (FLOOR)."""
         self.scale_rounding = "rceil"
-        self.schemes = tuple(scheme_for(self.recipe, r, scale_rounding="rceil") for r in ROLES)
+        self.schemes = tuple(
+            scheme_for(self.recipe, r, scale_rounding="rceil", **self.nvfp4) for r in ROLES
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"

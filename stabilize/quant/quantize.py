@@ -35,6 +35,8 @@ class Scheme:
     elem: str = "e4m3"
     pow2: bool = False  # tensor / rowwise / delayed: round the scale down to a power of two
     scale_rounding: str = "rceil"  # mx: "floor" (OCP) or "rceil"
+    sr: bool = False  # nvfp4: stochastic rounding (Transformer Engine rounds gradients so)
+    tile: bool = False  # nvfp4: one block scale per 16 x 16 tile of a 2-d tensor (weights)
 
     def __post_init__(self) -> None:
         check_choice("quant.kind", self.kind, KINDS)
@@ -47,6 +49,9 @@ class Scheme:
                 "allowed: ['e4m3', 'e5m2']"
             )
         check_choice("quant.scale_rounding", self.scale_rounding, scaling.SCALE_ROUNDINGS)
+        if (self.sr or self.tile) and self.kind != "nvfp4":
+            raise ConfigError(f"stochastic rounding and 16 x 16 tiles are not allowed with "
+                              f"{self.kind} scaling; allowed: nvfp4")  # fmt: skip
 
     @property
     def fmt(self) -> ElemFormat:
@@ -79,7 +84,28 @@ class Quantized:
     def dequantize(self) -> torch.Tensor:
         """The tensor the quantized GEMM sees, fp32, in the input's shape."""
         out = self.q * self.scale if self.decode else self.q / self.scale
+        if self.scheme.tile:
+            return _untiled(out, self.shape)
         return out.reshape(self.shape)
+
+
+TILE = 16  # nvfp4's 2-d blocks: 16 x 16
+
+
+def _tiled(x: torch.Tensor) -> torch.Tensor:
+    """A [R, C] tensor as [R C / 256, 256]: one row per 16 x 16 tile, tiles in row order."""
+    r, c = x.shape
+    if r % TILE or c % TILE:
+        raise ValueError(
+            f"a tensor of shape {tuple(x.shape)} cannot be split into 16 x 16 nvfp4 tiles; "
+            "allowed: both widths divisible by 16"
+        )
+    return x.reshape(r // TILE, TILE, c // TILE, TILE).transpose(1, 2).reshape(-1, TILE * TILE)
+
+
+def _untiled(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    r, c = shape
+    return t.reshape(r // TILE, c // TILE, TILE, TILE).transpose(1, 2).reshape(r, c)
 
 
 def _grouped(x: torch.Tensor, scheme: Scheme) -> torch.Tensor:
@@ -87,6 +113,10 @@ def _grouped(x: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     x = x.detach().float()
     if scheme.kind in ("tensor", "delayed"):
         return x.reshape(1, -1)  # [1, numel]
+    if scheme.tile:
+        if x.dim() != 2:
+            raise ValueError(f"16 x 16 nvfp4 tiles need a 2-d tensor, not {tuple(x.shape)}")
+        return _tiled(x)
     k = x.shape[-1] if x.dim() else 1
     block = scheme.block
     if block is not None and k % block:
@@ -129,7 +159,7 @@ def quantize(x: torch.Tensor, scheme: Scheme, scale: torch.Tensor | None = None)
         bs = scaling.nvfp4_block_scale(a, ts)
         scaled = g * ((1.0 / ts) / bs)
         s = ts * bs
-    return Quantized(scheme, x.shape, a, s, scaled, cast(scaled, fmt))
+    return Quantized(scheme, x.shape, a, s, scaled, cast(scaled, fmt, stochastic=scheme.sr))
 
 
 # ---- the recipes: the quant config group's names, a scheme per operand role ---------------
@@ -137,7 +167,10 @@ def quantize(x: torch.Tensor, scheme: Scheme, scale: torch.Tensor | None = None)
 RECIPES = ("none", "fp8_tensor", "fp8_rowwise", "fp8_delayed", "mxfp8", "nvfp4")
 
 
-def scheme_for(recipe: str, role: str, *, scale_rounding: str = "rceil") -> Scheme | None:
+def scheme_for(
+    recipe: str, role: str, *, scale_rounding: str = "rceil", sr: bool = False,
+    weights_2d: bool = False,
+) -> Scheme | None:  # fmt: skip
     """The scheme ``recipe`` uses for a GEMM operand in ``role``; None for ``none``.
 
     - fp8_tensor: torchao's tensorwise recipe, E4M3 forward, E5M2 gradients.
@@ -145,7 +178,9 @@ def scheme_for(recipe: str, role: str, *, scale_rounding: str = "rceil") -> Sche
     - fp8_delayed: Transformer Engine's DelayedScaling with its HYBRID format (E4M3 forward,
       E5M2 gradients); the history, margin and amax algorithm live in ``DelayedScaling``.
     - mxfp8: E4M3 everywhere, one E8M0 scale per 32 elements, ``scale_rounding``.
-    - nvfp4: E2M1 everywhere, 16-element blocks, E4M3 block scale x fp32 tensor scale.
+    - nvfp4: E2M1 everywhere, 16-element blocks, E4M3 block scale x fp32 tensor scale;
+      ``sr``: the gradients rounded stochastically, ``weights_2d``: the weight's blocks 16 x
+      16 tiles (Transformer Engine's recipe does both).
     """
     check_choice("quant", recipe, RECIPES)
     check_choice("quant.role", role, ROLES)
@@ -160,4 +195,4 @@ def scheme_for(recipe: str, role: str, *, scale_rounding: str = "rceil") -> Sche
         return Scheme("delayed", E5M2.name if grad else E4M3.name)
     if recipe == "mxfp8":
         return Scheme("mx", E4M3.name, scale_rounding=scale_rounding)
-    return Scheme("nvfp4", "e2m1")
+    return Scheme("nvfp4", "e2m1", sr=sr and grad, tile=weights_2d and role == "weight")

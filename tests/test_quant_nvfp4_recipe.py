@@ -1,0 +1,85 @@
+"""NVFP4 as Transformer Engine's recipe trains it (``quant.nvfp4.sr``, ``.weights_2d``):
+stochastic rounding of the gradients, unbiased where round-to-nearest is not, by hand; one
+block scale per 16 x 16 tile of the weight, its amaxes by hand, and the weight and its
+transpose quantized alike (what the tiles are for); refused on another recipe; a real run
+trains with both and logs the counts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stabilize.quant.formats import E2M1, cast
+from stabilize.quant.quantize import Scheme, quantize, scheme_for
+from stabilize.train import run
+from stabilize.validate import ConfigError
+
+from conftest import FAST, compose_run, read_csv_metrics
+
+
+@pytest.mark.parametrize(
+    ("x", "low", "up"), [(0.75, 0.5, 1.0), (-2.5, -3.0, -2.0), (5.0, 4.0, 6.0)]
+)
+def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased_by_hand(x, low, up):
+    """40,000 draws of one value between two E2M1 neighbours: every result is one of them,
+    their mean is the value within 4 standard errors (a Bernoulli's: (up - low) / 2 /
+    sqrt(n) at most), where round-to-nearest (ties to even) takes all to one side."""
+    torch.manual_seed(0)
+    t = torch.full((40_000,), x)
+    q = cast(t, E2M1, stochastic=True)
+    assert set(q.unique().tolist()) == {low, up}
+    se = (up - low) / 2 / math.sqrt(t.numel())
+    assert abs(q.mean().item() - x) < 4 * se
+    nearest = cast(t, E2M1).unique().tolist()
+    assert len(nearest) == 1 and nearest[0] != x  # biased: every value moved one way
+
+
+def test_stochastic_rounding_keeps_grid_values_and_saturates_at_six():
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -1.5, -6.0])
+    assert torch.equal(cast(grid, E2M1, stochastic=True), grid)
+    assert cast(torch.tensor([6.5, -9.0]), E2M1, stochastic=True).tolist() == [6.0, -6.0]
+    with pytest.raises(ValueError, match="stochastic rounding is for E2M1"):
+        cast(grid, scheme_for("fp8_delayed", "input").fmt, stochastic=True)
+
+
+def test_the_recipe_rounds_only_gradients_stochastically_and_tiles_only_the_weight():
+    on = {"sr": True, "weights_2d": True}
+    got = {r: scheme_for("nvfp4", r, **on) for r in ("input", "weight", "grad_output")}
+    assert [(s.sr, s.tile) for s in got.values()] == [(False, False), (False, True), (True, False)]
+    with pytest.raises(ConfigError, match="not allowed with mx scaling"):
+        Scheme("mx", "e4m3", sr=True)
+
+
+def test_weight_tiles_have_one_scale_per_16x16_block_and_quantize_w_and_its_transpose_alike():
+    """A 32 x 48 weight, its top-right tiles 64x larger: six tile amaxes, equal to each
+    16 x 16 block's max |w| by hand; dequantized, the transposed weight's quantization is
+    the weight's transposed, bit for bit (one scale per tile, whichever way it is read),
+    which 1 x 16 blocks along a row do not give."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 48)
+    w[:16, 16:] *= 64
+    tiled = Scheme("nvfp4", "e2m1", tile=True)
+    qz = quantize(w, tiled)
+    by_hand = [w[r : r + 16, c : c + 16].abs().max() for r in (0, 16) for c in (0, 16, 32)]
+    assert qz.group_amax.shape == (6, 1)
+    assert torch.equal(qz.group_amax.flatten(), torch.stack(by_hand))
+    deq = qz.dequantize()
+    assert deq.shape == w.shape
+    assert torch.equal(quantize(w.T.contiguous(), tiled).dequantize(), deq.T)
+    rows = Scheme("nvfp4", "e2m1")
+    assert not torch.equal(quantize(w.T.contiguous(), rows).dequantize(), quantize(w, rows)
+                           .dequantize().T)  # fmt: skip
+    with pytest.raises(ValueError, match="16 x 16 nvfp4 tiles"):
+        quantize(torch.randn(24, 32), tiled)
+
+
+def test_a_run_trains_with_both_and_logs_every_operands_counts(tmp_path):
+    ov = [*FAST, "quant=nvfp4", "quant.nvfp4.sr=true", "quant.nvfp4.weights_2d=true",
+          "trainer.max_steps=3"]  # fmt: skip
+    out = run(compose_run(tmp_path, ov))
+    assert out["model_step"] == 3 and math.isfinite(out["metrics"]["train/loss"])
+    rows = read_csv_metrics(tmp_path)
+    last = [r for r in rows if "q_sqnr/h.0.mlp.c_fc.w" in r][-1]
+    assert all(math.isfinite(last[f"q_sqnr/h.0.mlp.c_fc.{op}"]) for op in ("x", "w", "dy"))
