@@ -92,7 +92,7 @@ def test_every_operand_is_drawn_once_against_the_formats_max(fig):
     assert got == sorted(([1, 2, 3, 4], FP8[op]["q_ratio"]) for op in (X, W, DY))
     (one,) = [ln for ln in ax.get_lines() if list(ln.get_xdata()) == [0, 1]]
     assert list(one.get_ydata()) == [1, 1] and ax.get_yscale() == "log"
-    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    labels = [" ".join(t.get_text().split()) for t in ax.get_legend().get_texts()]
     assert labels == [
         "h.0.attn.c_proj grad-output (dy)",
         "h.0.attn.c_proj weight (w) (the same series: h.1.mlp.c_fc weight (w))",
@@ -119,7 +119,7 @@ def test_nothing_saturated_the_largest_ratio_is_thick(fig):
                                                      for op in (X, W, DY))  # fmt: skip
     thick = max(lines, key=lambda ln: ln.get_linewidth())
     assert _xy(thick)[1] == MX[X]["q_ratio"] and thick.get_linestyle() == "-"  # x: solid
-    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    labels = [" ".join(t.get_text().split()) for t in ax.get_legend().get_texts()]
     assert labels == [
         "h.0.attn.c_proj grad-output (dy)",
         "h.0.attn.c_proj weight (w)",

@@ -19,6 +19,7 @@ saturated first.
 from __future__ import annotations
 
 import math
+import textwrap
 
 import matplotlib
 
@@ -37,9 +38,10 @@ OPERANDS = {"x": "input (x)", "w": "weight (w)", "dy": "grad-output (dy)"}
 STYLES = {"x": "-", "w": "--", "dy": ":"}  # the colour says the layer, the style the operand
 PREFIXES = ("q_ratio/", "q_sat/", "q_clip/", "q_sqnr/", "q_under/")
 MAX_COLOR = "#000000"  # the format's max, black as fp16's max is in plots.py
-MAX_LABEL = "1: the format's max (values above are clipped)"
+MAX_LABEL = "1: the format's max (clipped from half a step above it)"
 DROPPED_LABEL = "attempt dropped by a rollback (x: where), then replayed"  # plots.py's words
 XLABEL = "model step (a rollback rewinds it)"  # plots.py's axis
+LABEL_WIDTH = 72  # characters a legend line holds in its 4.8 inches: longer ones wrap
 UNDER_FLOOR = 0.05  # underflow below it: a format's usual flush of tiny values, not news
 TOP = 12  # table rows per arm
 HEAD = [
@@ -54,16 +56,18 @@ HEAD = [
 NOTE = (
     "One row per quantized operand that saturated, clipped a block or flushed more than 5% of "
     "its non-zero values to 0, the most saturated first (at most 12 per arm). *max amax "
-    "ratio*: its largest amax over the format's max after scaling (1: the max; above it "
-    "values are clipped); *max saturated share*: the largest share of its values past the "
-    "max (counted before the cast clips them); *max clipped-block share*: of its blocks "
+    "ratio*: its largest amax over the format's max after scaling (1: the max; from half "
+    "a step above it, 464/448 for E4M3 and 7/6 for E2M1, values are clipped); *max "
+    "saturated share*: the largest share of its values past that edge "
+    "(counted before the cast clips them); *max clipped-block share*: of its blocks "
     "(block formats); *min SQNR (dB)*: its lowest SQNR against its high-precision value; "
     "*max underflow share*: the largest share of its non-zero values flushed to 0. In "
     "brackets: the model step where it was first; `-`: not logged."
 )
 PLOT_NOTE = (
-    "In quant_headroom: each quantized operand's amax over the format's max (1: the max, "
-    "above it values are clipped), the colour its layer, the style its operand; thick: "
+    "In quant_headroom: each quantized operand's amax over the format's max (1: the max; "
+    "from half a step above it values are clipped), the colour its layer, the style its "
+    "operand; thick: "
     "the operand with the largest saturated share."
 )
 
@@ -151,7 +155,7 @@ def _panel(ax, run: Run, colors: dict[str, str]) -> list:
                         markevery=[len(ys) - 1], zorder=z)  # fmt: skip
             else:
                 ax.plot(p.xs, ys, color=color, ls=ls, lw=lw, zorder=z)
-        label = _label(run, ops, lead, thick)
+        label = "\n    ".join(textwrap.wrap(_label(run, ops, lead, thick), LABEL_WIDTH))
         handles.append(Line2D([], [], color=color, ls=ls, lw=lw, label=label))
     ax.axhline(1.0, color=MAX_COLOR, lw=1, ls="-.")
     handles.append(Line2D([], [], color=MAX_COLOR, lw=1, ls="-.", label=MAX_LABEL))
@@ -172,28 +176,54 @@ def headroom_figure(runs: list[Run]) -> Figure | None:
     most = max(len(_groups(r)) for r in quant) + 2
     ncol = math.ceil(most / 28)
     height = max(3.6, 0.16 * math.ceil(most / ncol) + 1.2)
-    fig, axes = plt.subplots(len(quant), 1, figsize=(11 + 4 * ncol, height * len(quant)),
-                             squeeze=False, sharey=True)  # fmt: skip
+    fig, axes = plt.subplots(len(quant), 1, figsize=(12 + 5 * ncol, height * len(quant) + 0.6),
+                             squeeze=False)  # fmt: skip
     for ax, r in zip(axes[:, 0], quant, strict=True):
         handles = _panel(ax, r, colors)
-        ax.set_yscale("log")
-        ax.set_title(r.arm, fontsize=10)
+        below = _y_axis(ax, r)
+        ax.set_title(r.arm + below, fontsize=10)
         ax.set_xlabel(XLABEL, fontsize=8)
         ax.set_ylabel("amax / the format's max", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                   ncol=ncol)  # fmt: skip
     fig.suptitle("quantized GEMM operands: amax over the format's max after scaling")
-    fig.tight_layout()
+    width = 12 + 5 * ncol  # ~4.8 inches of legend a column, right of the axes
+    fig.subplots_adjust(left=0.9 / width, right=1 - 4.8 * ncol / width, top=0.93, hspace=0.45)
     return fig
 
 
-def _cell(p: tuple[float, int] | None, fmt: str) -> str:
+def _y_axis(ax, r: Run) -> str:
+    """A log axis where the ratios span decades, linear where they do not (a block format's
+    sit within a few percent of 1); on a log axis, from the lowest ratio after the first two
+    steps (a delayed scale's cold start: an empty history, ratios down to 1e-8 that would
+    flatten the rest), and what falls below is said in the title (returned)."""
+    later = [v for op in _operands(r) for x, v in r.series(f"q_ratio/{op}")
+             if x > 2 and math.isfinite(v) and v > 0]  # fmt: skip
+    every = [v for op in _operands(r) for _, v in r.series(f"q_ratio/{op}")
+             if math.isfinite(v) and v > 0]  # fmt: skip
+    if not every or max(every) / min(every) < 20:
+        return ""  # linear: the default axis, the line at 1 in view
+    ax.set_yscale("log")
+    if not later or min(every) >= min(later) / 2:
+        return ""
+    ax.set_ylim(min(later) / 2, max(every) * 2)
+    return " (below the axis: the first two steps, the amax history's cold start)"
+
+
+def _share(v: float) -> str:
+    """A share in percent: two decimals, or two significant digits below 0.1% (a share of
+    a few elements in 100,000 is not "0.00%")."""
+    return f"{v:.2%}" if v >= 1e-3 else f"{100 * v:.2g}%"
+
+
+def _cell(p: tuple[float, int] | None, fmt) -> str:
+    """``fmt``: a format string, or ``_share`` for a share (0 is "0")."""
     if p is None:
         return "-"
-    if p[0] == 0 and fmt.endswith("%}"):
+    if p[0] == 0 and fmt is _share:
         return "0"
-    return f"{fmt.format(p[0])} (step {p[1]})"
+    return f"{fmt(p[0]) if callable(fmt) else fmt.format(p[0])} (step {p[1]})"
 
 
 def layer_rows(runs: list[Run]) -> tuple[list[list[str]], dict[str, int]]:
@@ -210,8 +240,8 @@ def layer_rows(runs: list[Run]) -> tuple[list[list[str]], dict[str, int]]:
             if not (shares[0] > 0 or shares[1] > 0 or shares[2] > UNDER_FLOOR):
                 continue
             cells = [r.arm, operand_name(op), _cell(ratio, "{:.3g}")]
-            cells += [_cell(sat, "{:.2%}"), _cell(clip, "{:.2%}"), _cell(sqnr, "{:.1f}")]
-            cells += [_cell(under, "{:.2%}")]
+            cells += [_cell(sat, _share), _cell(clip, _share), _cell(sqnr, "{:.1f}")]
+            cells += [_cell(under, _share)]
             found.append(((-shares[0], -shares[1], -shares[2], op), cells))
         found.sort(key=lambda f: f[0])
         rows += [cells for _, cells in found[:TOP]]
