@@ -34,6 +34,10 @@ class NVFP4Config:
     weights_2d: bool = False
     """One block scale per 16 x 16 tile of the weight instead of per 16 values of a row, as
     the recipe scales weights: the weight and its transpose (dgrad's) quantize alike."""
+    rht: bool = False
+    """The wgrad GEMM's own operands, as the recipe lays them out: the grad-output and the
+    input mixed along the tokens by a random Hadamard transform (16 x 16) and quantized in
+    blocks of 16 tokens (a micro-batch's tokens must split into 16s)."""
 
 
 @dataclass
@@ -77,7 +81,7 @@ class QuantConfig:
                 raise ConfigError(f"quant.nvfp4.{bad[0]} is not allowed; allowed: "
                                   f"{sorted(known)}")  # fmt: skip
             self.nvfp4 = NVFP4Config(**self.nvfp4)
-        for key in ("sr", "weights_2d"):
+        for key in ("sr", "weights_2d", "rht"):
             value = getattr(self.nvfp4, key)
             if not isinstance(value, bool):
                 raise ConfigError(f"quant.nvfp4.{key}={value!r} is not allowed; allowed: "
@@ -127,7 +131,7 @@ def apply_quant(model: nn.Module, cfg: QuantConfig) -> list[str]:
         names = select_linears(model, cfg.layers, cfg.exclude)
         knobs = {"scale_rounding": cfg.scale_rounding, "history": cfg.history,
                  "margin": cfg.margin, "amax_algo": cfg.amax_algo, "sr": cfg.nvfp4.sr,
-                 "weights_2d": cfg.nvfp4.weights_2d}  # fmt: skip
+                 "weights_2d": cfg.nvfp4.weights_2d, "rht": cfg.nvfp4.rht}  # fmt: skip
         return swap_linears(model, names, cfg.name, **knobs)
     recipe = cfg.name.removeprefix("fp8_").replace("tensor", "tensorwise")
     return convert_float8(model, recipe, layers=cfg.layers, exclude=cfg.exclude)

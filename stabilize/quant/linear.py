@@ -8,7 +8,11 @@ on what the 8- or 4-bit GEMM would see:
 
 - forward: fprop's input ``x`` and weight ``w``;
 - backward: the grad-output ``dy`` (dgrad ``dy @ w`` and wgrad ``dy^T x`` both use it, with
-  the quantized ``x`` and ``w`` saved by the forward).
+  the quantized ``x`` and ``w`` saved by the forward); with ``quant.nvfp4.rht`` the wgrad
+  GEMM has operands of its own, as Transformer Engine's NVFP4 recipe lays them out: ``dy``
+  and ``x`` mixed along the tokens by a random Hadamard transform (``quantize.rht``) and
+  quantized in blocks of 16 tokens (the GEMM's reduction dim), not of 16 features. Those
+  two are not counted by the probe (its operands are fprop's and dgrad's).
 
 Delayed scaling keeps, per operand, an amax history and the scale the next step's cast uses
 (``scaling.delayed_scale``) as *buffers*: they are in the module's ``state_dict``, so a
@@ -25,7 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stabilize.quant.quantize import ROLES, Quantized, Scheme, quantize, scheme_for
+from stabilize.quant.quantize import (
+    ROLES,
+    Quantized,
+    Scheme,
+    quantize,
+    rht,
+    rht_signs,
+    scheme_for,
+)
 from stabilize.quant.scaling import AMAX_ALGOS, delayed_scale
 from stabilize.validate import ConfigError, check_choice
 
@@ -36,7 +48,8 @@ class QuantLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  recipe: str, scale_rounding: str = "rceil", history: int = 1024,
                  margin: int = 0, amax_algo: str = "max", sr: bool = False,
-                 weights_2d: bool = False, device=None, dtype=None):  # fmt: skip
+                 weights_2d: bool = False, rht: bool = False, device=None,
+                 dtype=None):  # fmt: skip
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         check_choice("quant", recipe, OWN_RECIPES)
         check_choice("quant.amax_algo", amax_algo, AMAX_ALGOS)
@@ -46,6 +59,12 @@ class QuantLinear(nn.Linear):
             raise ConfigError(f"quant.margin={margin!r} is not allowed; allowed: an int >= 0")
         self.recipe, self.margin, self.amax_algo = recipe, margin, amax_algo
         self.nvfp4 = {"sr": sr, "weights_2d": weights_2d}  # nvfp4's own knobs (else refused)
+        self.rht = rht
+        if rht:  # the wgrad GEMM's transform: its signs a buffer (checkpoints carry them)
+            if recipe != "nvfp4":
+                raise ConfigError(f"quant.nvfp4.rht=true is not allowed with quant={recipe}; "
+                                  "allowed: quant=nvfp4")  # fmt: skip
+            self.register_buffer("rht_signs", rht_signs().to(device))
         self.schemes: tuple[Scheme, ...] = tuple(
             scheme_for(recipe, r, scale_rounding=scale_rounding, **self.nvfp4) for r in ROLES
         )
@@ -108,6 +127,12 @@ class QuantLinear(nn.Linear):
         self.scale[i] = delayed_scale(h, fmt, margin=self.margin, algo=self.amax_algo,
                                       previous=self.scale[i])  # fmt: skip
 
+    def wgrad_operand(self, t: torch.Tensor, grad: bool) -> torch.Tensor:
+        """A wgrad operand under ``rht``: [tokens, C] -> transformed along the tokens,
+        quantized in blocks of 16 tokens, returned [C, tokens] (the GEMM's layout)."""
+        scheme = Scheme("nvfp4", "e2m1", sr=grad and self.nvfp4["sr"])
+        return quantize(rht(t.float(), self.rht_signs).t(), scheme).dequantize()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _QuantMatmul.apply(x, self.weight, self.bias, self)
 
@@ -116,17 +141,24 @@ class _QuantMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, mod: QuantLinear):
         xq, wq = mod.fake(0, x), mod.fake(1, w).to(x.dtype)
-        ctx.save_for_backward(xq, wq)
-        ctx.mod, ctx.has_bias = mod, b is not None
+        wgrad_own = mod.rht and not mod.high_precision  # the wgrad GEMM's own operands
+        ctx.save_for_backward(x if wgrad_own else xq, wq)
+        ctx.mod, ctx.has_bias, ctx.wgrad_own = mod, b is not None, wgrad_own
         return F.linear(xq, wq, b.to(x.dtype) if b is not None else None)
 
     @staticmethod
     def backward(ctx, dy):
-        xq, wq = ctx.saved_tensors
-        dyq = ctx.mod.fake(2, dy)
+        xs, wq = ctx.saved_tensors
+        mod = ctx.mod
+        dyq = mod.fake(2, dy)
         dx = dyq @ wq.to(dy.dtype)
-        flat = dyq.reshape(-1, dyq.shape[-1])
-        dw = flat.t() @ xq.reshape(-1, xq.shape[-1]).to(dy.dtype)
+        if ctx.wgrad_own:  # x saved in high precision: both operands laid out for wgrad
+            g = mod.wgrad_operand(dy.reshape(-1, dy.shape[-1]), grad=True)  # [out, N]
+            xt = mod.wgrad_operand(xs.reshape(-1, xs.shape[-1]), grad=False)  # [in, N]
+            dw = (g @ xt.t()).to(dy.dtype)
+        else:
+            flat = dyq.reshape(-1, dyq.shape[-1])
+            dw = flat.t() @ xs.reshape(-1, xs.shape[-1]).to(dy.dtype)
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
         return dx, dw, db, None
 

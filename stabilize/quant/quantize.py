@@ -89,7 +89,38 @@ class Quantized:
         return out.reshape(self.shape)
 
 
-TILE = 16  # nvfp4's 2-d blocks: 16 x 16
+TILE = 16  # nvfp4's 2-d blocks: 16 x 16; and the random Hadamard transform's size
+RHT_SEED = 0  # the transform's random signs: one fixed vector, as a recipe fixes its own
+
+
+def hadamard(n: int = TILE) -> torch.Tensor:
+    """The n x n Hadamard matrix (Sylvester's construction, n a power of two), orthonormal:
+    entries +-1 / sqrt(n)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / h.shape[0] ** 0.5
+
+
+def rht_signs(n: int = TILE) -> torch.Tensor:
+    """The transform's fixed random +-1 diagonal."""
+    g = torch.Generator().manual_seed(RHT_SEED)
+    return torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+
+
+def rht(t: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """A [N, C] tensor with every 16 consecutive rows mixed by ``H diag(signs)``, the random
+    Hadamard transform Transformer Engine's NVFP4 recipe applies along the tokens of the
+    wgrad GEMM's two operands: orthonormal, so ``rht(dy)^T rht(x) = dy^T x`` exactly, while a
+    block's outlier is spread over its 16 rows before the 4-bit cast."""
+    n, c = t.shape
+    if n % TILE:
+        raise ValueError(
+            f"quant.nvfp4.rht needs the rows (tokens) of a micro-batch in blocks of 16; got "
+            f"{n}; allowed: batch_size x block_size divisible by 16"
+        )
+    m = hadamard(TILE).to(t) * signs.to(t)[None, :]
+    return torch.einsum("ij,bjc->bic", m, t.reshape(n // TILE, TILE, c)).reshape(n, c)
 
 
 def _tiled(x: torch.Tensor) -> torch.Tensor:

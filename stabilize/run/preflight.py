@@ -109,6 +109,13 @@ def preflight(cfg: RunConfig) -> None:
     check_fault_site(cfg, [name for name, _ in model.named_modules()])
     with config_errors():  # the quant globs and widths, on the same meta model
         check_quant(model, cfg.quant)
+    tokens = cfg.data.batch_size * cfg.model.block_size
+    if cfg.quant.name == "nvfp4" and cfg.quant.nvfp4.rht and tokens % 16:
+        raise ConfigError(
+            f"quant.nvfp4.rht=true is not allowed with data.batch_size x model.block_size = "
+            f"{tokens} tokens a micro-batch; allowed: a multiple of 16 (its transform mixes "
+            "tokens in 16s)"
+        )
     check_data(cfg, world)
 
 
