@@ -110,7 +110,8 @@ def replay(steps: list[dict], cfg: QuantMonitorConfig) -> dict[tuple[str, int], 
     for st in steps:
         if not st.get("quant_edge"):
             st = {**st, "quant_edge": {op: edges[op.rpartition(".")[2]]
-                                       for op in st["quant_amax_ratio"]}}  # fmt: skip
+                                       for op in st["quant_amax_ratio"]
+                                       if op.rpartition(".")[2] in edges}}  # fmt: skip
         for e in mon.update(StepStats(**st)):
             if e.monitor == "quant" and "where its cast saturates" in e.message:
                 out[(e.layer, e.step)] = e.value

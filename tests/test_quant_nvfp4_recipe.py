@@ -84,6 +84,7 @@ def test_a_run_trains_with_both_and_logs_every_operands_counts(tmp_path):
     rows = read_csv_metrics(tmp_path)
     last = [r for r in rows if "q_sqnr/h.0.mlp.c_fc.w" in r][-1]
     assert all(math.isfinite(last[f"q_sqnr/h.0.mlp.c_fc.{op}"]) for op in ("x", "w", "dy"))
+    assert not any(k.endswith((".wx", ".wdy")) for r in rows for k in r)  # wgrad reuses them
 
 
 def test_the_random_hadamard_transform_is_orthonormal_and_keeps_the_wgrad_product():
@@ -126,6 +127,9 @@ def test_a_run_with_the_transform_trains_and_refuses_tokens_that_do_not_split(tm
     ov = [*FAST, "quant=nvfp4", "quant.nvfp4.rht=true", "trainer.max_steps=2"]
     out = run(compose_run(tmp_path / "ok", ov))
     assert out["model_step"] == 2 and math.isfinite(out["metrics"]["train/loss"])
+    rows = read_csv_metrics(tmp_path / "ok")  # the wgrad GEMM's own operands are counted
+    last = [r for r in rows if "q_sqnr/h.0.mlp.c_fc.wx" in r][-1]
+    assert all(last[f"q_sqnr/h.0.mlp.c_fc.{op}"] > 5 for op in ("x", "w", "dy", "wx", "wdy"))
     with pytest.raises(ConfigError, match="quant.nvfp4.rht=true is not allowed with data"):
         run(compose_run(tmp_path / "odd", [*ov, "data.batch_size=3", "model.block_size=15"]))
     assert not (tmp_path / "odd").exists()

@@ -11,8 +11,8 @@ on what the 8- or 4-bit GEMM would see:
   the quantized ``x`` and ``w`` saved by the forward); with ``quant.nvfp4.rht`` the wgrad
   GEMM has operands of its own, as Transformer Engine's NVFP4 recipe lays them out: ``dy``
   and ``x`` mixed along the tokens by a random Hadamard transform (``quantize.rht``) and
-  quantized in blocks of 16 tokens (the GEMM's reduction dim), not of 16 features. Those
-  two are not counted by the probe (its operands are fprop's and dgrad's).
+  quantized in blocks of 16 tokens (the GEMM's reduction dim), not of 16 features; the
+  probe counts them as the operands ``wx`` and ``wdy``.
 
 Delayed scaling keeps, per operand, an amax history and the scale the next step's cast uses
 (``scaling.delayed_scale``) as *buffers*: they are in the module's ``state_dict``, so a
@@ -129,9 +129,15 @@ class QuantLinear(nn.Linear):
 
     def wgrad_operand(self, t: torch.Tensor, grad: bool) -> torch.Tensor:
         """A wgrad operand under ``rht``: [tokens, C] -> transformed along the tokens,
-        quantized in blocks of 16 tokens, returned [C, tokens] (the GEMM's layout)."""
+        quantized in blocks of 16 tokens, returned [C, tokens] (the GEMM's layout); handed
+        to the probe as operand 3 (``wx``) or 4 (``wdy``)."""
         scheme = Scheme("nvfp4", "e2m1", sr=grad and self.nvfp4["sr"])
-        return quantize(rht(t.float(), self.rht_signs).t(), scheme).dequantize()
+        with torch.no_grad():
+            mixed = rht(t.float(), self.rht_signs).t().contiguous()
+            qz = quantize(mixed, scheme)
+            if self.on_quantized is not None:
+                self.on_quantized(4 if grad else 3, qz, mixed)
+            return qz.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _QuantMatmul.apply(x, self.weight, self.bias, self)

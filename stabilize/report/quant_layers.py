@@ -34,8 +34,10 @@ from stabilize.report.load import Run  # noqa: E402
 from stabilize.report.markdown import code as md_code  # noqa: E402
 from stabilize.report.markdown import table as md_table  # noqa: E402
 
-OPERANDS = {"x": "input (x)", "w": "weight (w)", "dy": "grad-output (dy)"}
-STYLES = {"x": "-", "w": "--", "dy": ":"}  # the colour says the layer, the style the operand
+OPERANDS = {"x": "input (x)", "w": "weight (w)", "dy": "grad-output (dy)",
+            "wx": "wgrad input (wx)", "wdy": "wgrad grad-output (wdy)"}  # fmt: skip
+# the colour says the layer, the style the operand (wgrad's own: dash-dot-dot, dots spaced)
+STYLES = {"x": "-", "w": "--", "dy": ":", "wx": (0, (4, 1, 1, 1, 1, 1)), "wdy": (0, (1, 3))}
 PREFIXES = ("q_ratio/", "q_sat/", "q_clip/", "q_sqnr/", "q_under/")
 MAX_COLOR = "#000000"  # the format's max, black as fp16's max is in plots.py
 MAX_LABEL = "1: the format's max (clipped from half a step above it)"

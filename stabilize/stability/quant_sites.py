@@ -9,7 +9,10 @@ operands are measured, as the GEMMs see them:
 
 - ``x``: fprop's input (a forward pre-hook);
 - ``w``: fprop's weight (the same hook);
-- ``dy``: dgrad's grad-output, the gradient of the Linear's output (a hook on that tensor).
+- ``dy``: dgrad's grad-output, the gradient of the Linear's output (a hook on that tensor);
+- ``wx``, ``wdy``: the wgrad GEMM's own input and grad-output, where the layer has them
+  (our ``QuantLinear`` under ``quant.nvfp4.rht``: mixed along the tokens and quantized in
+  blocks of 16 tokens); elsewhere wgrad reuses ``x`` and ``dy`` and these are not logged.
 
 Per operand the six numbers of ``stabilize.quant.headroom.Headroom`` (amax, amax over the
 format's max after scaling, saturated share counted before the cast, underflow share,
@@ -34,7 +37,7 @@ from stabilize.quant.headroom import Headroom, headroom, headroom_of
 from stabilize.quant.linear import QuantLinear
 from stabilize.quant.quantize import Quantized, Scheme
 
-OPERANDS = ("x", "w", "dy")
+OPERANDS = ("x", "w", "dy", "wx", "wdy")
 METRICS = Headroom.names()  # amax, amax_ratio, saturated, underflow, clipped_blocks, sqnr_db
 EXACT_DB = 1e9  # the SQNR of an exact quantization (a zero tensor, values on the grid)
 PER_SITE = len(OPERANDS) * len(METRICS)
@@ -116,8 +119,8 @@ def unpack_sites(sites: list[QuantSite], values: list[float]) -> dict[str, dict[
             vals = dict(zip(METRICS, values[o : o + len(METRICS)], strict=True))
             if vals["amax"] == float("-inf"):
                 continue
-            scheme = site.schemes[j]
-            if scheme.kind == "delayed":
+            scheme = site.schemes[j] if j < len(site.schemes) else None  # wgrad's: none
+            if scheme is not None and scheme.kind == "delayed":
                 out["quant_edge"][f"{site.name}.{op}"] = scheme.fmt.overflow_from / scheme.fmt.max
             vals["sqnr_db"] = -vals["sqnr_db"]
             for field, metric in FIELDS.items():
@@ -173,7 +176,7 @@ class _Callback:
 
         def on_quantized(i: int, qz: Quantized, t: torch.Tensor) -> None:
             if due(module):
-                write(offset + i * len(METRICS), t, module.schemes[i], qz)
+                write(offset + i * len(METRICS), t, qz.scheme, qz)
 
         module.on_quantized = on_quantized
 
