@@ -12,7 +12,8 @@ Per operand (``<layer>.x``, ``.w``, ``.dy``), from its series on the probe's mea
 - underflow: the share of non-zero elements that come back 0 above ``underflow`` (5%,
   Transformer Engine's AutoswitchGemm rule): a WARN;
 - the forecast: an operand whose amax over the format's max (after its scaling) climbs
-  towards 1, as delayed scaling's does when a tensor's growth outruns its amax history, is
+  towards its saturation edge, as delayed scaling's does when a tensor's growth outruns its
+  amax history, is
   projected by the activation forecast's own ``LineForecaster`` (monitors/forecast.py: a
   robust fit over ``window`` measured steps, the operand's learned noise, a crossing
   significant at ``z`` sigmas) against the ratio past which its cast saturates (the
@@ -21,8 +22,8 @@ Per operand (``<layer>.x``, ``.w``, ``.dy``), from its series on the probe's mea
   per ``horizon`` steps. Only delayed scaling is forecast: current and block scaling follow
   the tensor itself. Off by default (``forecast``): scored on recorded runs
   (scripts/eval_quant_forecast.py, docs/forecast.md), a planted growth's acceleration was
-  buried in the amax's own step-to-step noise: it warned of no planted crossing in time,
-  but by coincidence, and as often in runs with no growth.
+  buried in the amax's own step-to-step noise: no planted crossing was warned in time
+  except by coincidence, and its warnings came as often in runs with no growth.
 
 One event per episode and operand; the layer's name rides in ``extra["site"]`` (the rungs
 act on it).
@@ -59,8 +60,8 @@ class QuantMonitorConfig:
     """Forecast a delayed-scaling operand's amax ratio reaching its saturation edge. Off by
     default: on recorded runs (docs/forecast.md) it warned of no planted growth in time."""
     horizon: int = 50
-    """Forecast: warn when the amax ratio is expected to reach the format's max within this
-    many measured steps."""
+    """Forecast: warn when the amax ratio is expected to reach its saturation edge within
+    this many measured steps."""
     window: int = 8
     """Measured steps in the forecast's robust fit."""
     z: float = 3.0
