@@ -199,3 +199,24 @@ def test_the_report_shows_the_figure_and_the_table(tmp_path):
     rows = [ln for ln in section.splitlines() if ln.startswith("| ")]
     assert rows[0] == "| " + " | ".join(HEAD) + " |" and len(rows) == 4
     assert "*max amax ratio*" in section
+
+
+def test_the_axis_is_log_across_decades_with_the_cold_start_below_it_linear_near_one():
+    """A delayed arm whose first two steps sit at 1e-8 and 1e-3 (an empty amax history)
+    and later between 0.2 and 1.2: a log axis from half the lowest later ratio (0.1) to
+    twice the largest, and the title says what fell below. A block format's ratios within
+    a few percent of 1: a linear axis with the line at 1 in view, nothing said."""
+    cold = _run("fp8_delayed", {X: {"q_ratio": [1e-8, 1e-3, 0.2, 1.2, 0.9]}})
+    near = _run("mxfp8", {X: {"q_ratio": [1.12, 1.14, 1.13]}})
+    f = headroom_figure([cold, near])
+    try:
+        (ax_cold,) = [a for a in f.axes if a.get_title().startswith("fp8_delayed")]
+        assert ax_cold.get_yscale() == "log"
+        assert ax_cold.get_ylim() == pytest.approx((0.1, 2.4))
+        assert "below the axis: the first two steps" in ax_cold.get_title()
+        ax_near = _panel(f, "mxfp8")
+        assert ax_near.get_yscale() == "linear"
+        low, high = ax_near.get_ylim()
+        assert low <= 1.0 and high >= 1.14
+    finally:
+        plt.close(f)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import DDPStrategy
 
 from stabilize.compat import batches_that_stepped
@@ -68,10 +69,10 @@ class LightningLoop:
 
     def log(self, metrics: dict[str, float], step: int, dashboards: bool = True) -> None:
         for lg in self.trainer.loggers:
-            if dashboards or type(lg).__name__ != "WandbLogger":
+            if dashboards or not isinstance(lg, WandbLogger):
                 lg.log_metrics(metrics, step=step)
 
     wandb_step_metric = "trainer/global_step"  # what WandbLogger binds every key to
 
     def wandb_runs(self) -> list[Any]:
-        return [lg.experiment for lg in self.trainer.loggers if type(lg).__name__ == "WandbLogger"]
+        return [lg.experiment for lg in self.trainer.loggers if isinstance(lg, WandbLogger)]

@@ -15,7 +15,7 @@ prefix: hundreds of one-line panels. ``LayerPanels`` keeps that readable:
   size of chart as a 100-step one. A run killed without an exception gets no chart; its
   keys are all in the history.
 
-Only rank 0 and only W&B loggers (Lightning's ``WandbLogger``, found by name): the CSV
+Only rank 0 and only W&B runs (the loop's ``wandb_runs``: Lightning's ``WandbLogger``): the CSV
 keeps every key in its own column whatever this does.
 """
 
